@@ -1,0 +1,76 @@
+"""Opening the connection pool, and turning driver errors into our own, password-free."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from .dsn import describe, redact
+from .errors import DatabaseUnavailable, LeaseQueueError
+from .schema import not_installed
+
+logger = logging.getLogger("dagster_leasequeue")
+
+
+def open_pool(dsn: str, *, pool_size: int, connect_timeout: float, name: str) -> ConnectionPool:
+    """Open a pool of autocommit connections, failing fast with a clear error.
+
+    One direct connection is made first: a pool retries a bad DSN in the background until
+    its timeout and keeps the reason to its log, while the user needs the reason now.
+    """
+    where = describe(dsn)
+    # libpq counts whole seconds and treats values below 2 as 2.
+    timeout = max(2, math.ceil(connect_timeout))
+    try:
+        psycopg.connect(dsn, connect_timeout=timeout).close()
+    except psycopg.Error as exc:
+        raise DatabaseUnavailable(
+            f"cannot connect to PostgreSQL at {where}: {redact(str(exc).strip(), dsn)}"
+        ) from None
+    pool: ConnectionPool = ConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=pool_size,
+        kwargs={"autocommit": True, "connect_timeout": timeout},
+        timeout=max(connect_timeout, 30.0),
+        reconnect_timeout=max(connect_timeout * 12, 60.0),
+        name=name,
+        open=False,
+    )
+    try:
+        pool.open(wait=True, timeout=connect_timeout)
+    except PoolTimeout:
+        pool.close()
+        raise DatabaseUnavailable(
+            f"cannot connect to PostgreSQL at {where} within {connect_timeout:g} s"
+        ) from None
+    return pool
+
+
+@contextmanager
+def database_errors(dsn: str, schema: str) -> Iterator[None]:
+    """Map driver errors to LeaseQueueError subclasses whose messages hide the password."""
+    try:
+        yield
+    except (pg_errors.UndefinedTable, pg_errors.InvalidSchemaName):
+        raise not_installed(schema) from None
+    except PoolTimeout as exc:
+        raise DatabaseUnavailable(
+            f"no database connection available from the pool for {describe(dsn)}: "
+            f"{redact(str(exc), dsn)}"
+        ) from None
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(
+            f"lost or could not open the connection to PostgreSQL at {describe(dsn)}: "
+            f"{redact(str(exc).strip(), dsn)}"
+        ) from None
+    except psycopg.Error as exc:
+        raise LeaseQueueError(
+            f"database error ({type(exc).__name__}): {redact(str(exc).strip(), dsn)}"
+        ) from None

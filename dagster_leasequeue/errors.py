@@ -1,0 +1,39 @@
+"""The exceptions raised by dagster-leasequeue.
+
+Every error the package raises on purpose is a :class:`LeaseQueueError`, so callers can
+catch one class. Errors caused by a caller's input also derive from :class:`ValueError`.
+"""
+
+from __future__ import annotations
+
+
+class LeaseQueueError(Exception):
+    """Base class of every error raised by dagster-leasequeue."""
+
+
+class LeaseLost(LeaseQueueError):
+    """The lease is no longer held: the task was swept, re-claimed, cancelled or finished.
+
+    Nothing was changed. The worker must stop working on the task; whoever holds it now
+    (or the sweeper) decides what happens to it.
+    """
+
+
+class ConfigurationError(LeaseQueueError, ValueError):
+    """A setting, schema name or argument has a value that cannot be used."""
+
+
+class PayloadError(LeaseQueueError, ValueError):
+    """A payload or result is not a JSON object, cannot be encoded, or is too large."""
+
+
+class SchemaNotInstalled(LeaseQueueError):
+    """The queue's tables do not exist (yet) in the database."""
+
+
+class DatabaseUnavailable(LeaseQueueError):
+    """The database could not be reached or refused the connection."""
+
+
+class TaskNotFound(LeaseQueueError, LookupError):
+    """No task has the given id."""

@@ -1,0 +1,277 @@
+"""A claimed task and the lease that fences it: ack, fail, renew, and background renewal."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import psycopg
+
+from . import sql
+from .errors import LeaseLost, LeaseQueueError
+
+if TYPE_CHECKING:
+    from .queue import LeaseQueue
+
+logger = logging.getLogger("dagster_leasequeue")
+
+# Renew when about a third of the lease has passed: two renewals can fail before it lapses.
+RENEW_FRACTION = 1 / 3
+
+
+class Lease:
+    """A task held by this worker until ``expires_at`` (database clock), under ``token``.
+
+    ``ack``, ``fail`` and ``renew`` are fenced: they change the task only while it is still
+    processing under this lease's token, and otherwise raise :class:`LeaseLost`.
+
+    As a context manager the lease renews itself in the background while the block runs,
+    acks when the block ends normally (unless already acked) and fails the task, then
+    re-raises, when the block raises::
+
+        lease = queue.claim()
+        if lease is not None:
+            with lease:
+                process(lease.payload)
+    """
+
+    def __init__(
+        self,
+        queue: LeaseQueue,
+        *,
+        task_id: int,
+        queue_name: str,
+        payload: dict[str, Any],
+        priority: int,
+        attempt: int,
+        max_attempts: int,
+        token: int,
+        expires_at: datetime,
+        worker_id: str | None,
+        idempotency_key: str | None,
+        lease_seconds: float,
+    ) -> None:
+        self._queue = queue
+        self.task_id = task_id
+        self.queue = queue_name
+        self.payload = payload
+        self.priority = priority
+        self.attempt = attempt
+        self.max_attempts = max_attempts
+        self.token = token
+        self.expires_at = expires_at
+        self.worker_id = worker_id
+        self.idempotency_key = idempotency_key
+        self.lease_seconds = lease_seconds
+        self._lock = threading.Lock()
+        self._outcome: str | None = None
+        self._lost = threading.Event()
+        self._renewer: _Renewer | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Lease(task_id={self.task_id}, queue={self.queue!r}, attempt={self.attempt}, "
+            f"token={self.token}, expires_at={self.expires_at.isoformat()}, "
+            f"worker_id={self.worker_id!r}, outcome={self._outcome!r})"
+        )
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """True once this lease acked or failed its task."""
+        return self._outcome is not None
+
+    @property
+    def lost(self) -> bool:
+        """True once a renewal found the lease gone: the work should stop."""
+        return self._lost.is_set()
+
+    def raise_if_lost(self) -> None:
+        """Raise LeaseLost if background renewal found the lease gone; call it between steps."""
+        if self._lost.is_set():
+            raise LeaseLost(
+                f"the lease on task {self.task_id} (token {self.token}) was lost: "
+                "stop working on it"
+            )
+
+    # -- fenced operations -----------------------------------------------------------------
+
+    def ack(self, result: dict[str, Any] | None = None) -> None:
+        """Mark the task done, storing ``result``; raise LeaseLost if the lease is gone."""
+        encoded = self._queue._encode_result(result)
+        with self._lock:
+            self._refuse_if_finished("ack")
+            with self._queue._connection() as conn:
+                self.ack_on(conn, encoded)
+            self._outcome = "acked"
+
+    def ack_on(self, conn: psycopg.Connection[Any], encoded_result: str | None) -> None:
+        """Run the fenced ack on ``conn``, inside the caller's transaction if it has one.
+
+        The caller marks the lease finished once that transaction commits (see
+        :meth:`mark_acked`); this is how an attempt makes its effects and the ack atomic.
+        """
+        params = self._fence_params() | {"result": encoded_result}
+        if conn.execute(self._statement(sql.ACK), params).fetchone() is None:
+            self._raise_lost(conn, "ack")
+
+    def mark_acked(self) -> None:
+        """Record that an ack run through :meth:`ack_on` has committed."""
+        with self._lock:
+            self._outcome = "acked"
+
+    def fail(self, error: str | BaseException, *, retry_in: float | None = None) -> str:
+        """Give the task back after an error; return its new status.
+
+        With attempts left the task is enqueued again after an exponential backoff with
+        jitter (``retry_in`` overrides it; 0 means at once); with none left it is ``dead``.
+        The error's text is kept in ``last_error``.
+        """
+        message = _describe_error(error)
+        delay = self._queue._retry_delay(self.attempt) if retry_in is None else float(retry_in)
+        if delay < 0:
+            raise ValueError(f"retry_in must be 0 or more seconds, got {retry_in!r}")
+        params = self._fence_params() | {"error": message, "retry_in": delay}
+        with self._lock:
+            self._refuse_if_finished("fail")
+            with self._queue._connection() as conn:
+                row = conn.execute(self._statement(sql.FAIL), params).fetchone()
+                if row is None:
+                    self._raise_lost(conn, "fail")
+            self._outcome = "failed"
+        return str(row[0])
+
+    def renew(self, lease_seconds: float | None = None) -> datetime:
+        """Extend the lease to ``lease_seconds`` from now (database clock); return the expiry."""
+        seconds = self.lease_seconds if lease_seconds is None else float(lease_seconds)
+        if seconds <= 0:
+            raise ValueError(f"lease_seconds must be more than 0, got {lease_seconds!r}")
+        with self._lock:
+            self._refuse_if_finished("renew")
+            with self._queue._connection() as conn:
+                params = self._fence_params() | {"lease_seconds": seconds}
+                row = conn.execute(self._statement(sql.RENEW), params).fetchone()
+                if row is None:
+                    self._raise_lost(conn, "renew")
+            self.expires_at = row[0]
+            self.lease_seconds = seconds
+        return self.expires_at
+
+    # -- context manager -------------------------------------------------------------------
+
+    def __enter__(self) -> Lease:
+        if self._renewer is None and not self.finished:
+            self._renewer = _Renewer(self)
+            self._renewer.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop_renewing()
+        if self.finished:
+            return
+        if exc is None:
+            self.ack()
+            return
+        try:
+            self.fail(exc)
+        except LeaseQueueError as fail_error:
+            # The block's own exception is the one the caller needs to see.
+            logger.warning("could not fail task %s after an error: %s", self.task_id, fail_error)
+
+    def _stop_renewing(self) -> None:
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.stop()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _statement(self, template: str) -> str:
+        return sql.compose(template, self._queue.schema)
+
+    def _fence_params(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "token": self.token}
+
+    def _refuse_if_finished(self, action: str) -> None:
+        if self._outcome is not None:
+            raise LeaseLost(
+                f"cannot {action} task {self.task_id}: this lease already {self._outcome} it"
+            )
+
+    def _raise_lost(self, conn: psycopg.Connection[Any], action: str) -> NoReturn:
+        row = conn.execute(self._statement(sql.LEASE_STATE), {"task_id": self.task_id}).fetchone()
+        if row is None:
+            reason = "the task no longer exists"
+        elif row[1] is not None and row[1] != self.token:
+            reason = f"it was claimed again under token {row[1]} and is now {row[0]}"
+        elif row[1] == self.token:
+            reason = f"this lease already concluded it (now {row[0]})"
+        else:
+            reason = f"its lease expired and the task was recovered or cancelled (now {row[0]})"
+        raise LeaseLost(
+            f"cannot {action} task {self.task_id} with token {self.token}: {reason}; "
+            "nothing was changed"
+        )
+
+    def _concluded_by_self(self) -> bool:
+        with self._queue._connection() as conn:
+            row = conn.execute(
+                self._statement(sql.LEASE_STATE), {"task_id": self.task_id}
+            ).fetchone()
+        return row is not None and row[1] == self.token and row[0] != "processing"
+
+
+class _Renewer(threading.Thread):
+    """Renews a lease every third of its length until stopped or the lease is lost."""
+
+    def __init__(self, lease: Lease) -> None:
+        super().__init__(name=f"leasequeue-renew-{lease.task_id}", daemon=True)
+        self._lease = lease
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        lease = self._lease
+        while not self._stopped.wait(lease.lease_seconds * RENEW_FRACTION):
+            try:
+                lease.renew()
+            except LeaseLost:
+                # An ack or fail that committed meanwhile (through an attempt, say) also
+                # makes a renewal change nothing; only a lease taken from us is lost.
+                if not lease.finished and not self._concluded(lease):
+                    logger.warning(
+                        "lease on task %s (token %s) was lost; the worker should stop",
+                        lease.task_id,
+                        lease.token,
+                    )
+                    lease._lost.set()
+                return
+            except LeaseQueueError as exc:
+                # The database may be restarting: keep trying until the lease runs out.
+                logger.warning("could not renew the lease on task %s: %s", lease.task_id, exc)
+
+    @staticmethod
+    def _concluded(lease: Lease) -> bool:
+        try:
+            return lease._concluded_by_self()
+        except LeaseQueueError:
+            return False
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self is not threading.current_thread():
+            self.join()
+
+
+def _describe_error(error: str | BaseException) -> str:
+    if isinstance(error, BaseException):
+        text = str(error)
+        return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return str(error)

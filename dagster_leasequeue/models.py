@@ -1,0 +1,99 @@
+"""The plain records the queue returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+Status = Literal["enqueued", "processing", "done", "dead", "cancelled"]
+STATUSES: tuple[Status, ...] = ("enqueued", "processing", "done", "dead", "cancelled")
+UNFINISHED: tuple[Status, ...] = ("enqueued", "processing")
+
+RecoveryAction = Literal["requeued", "dead"]
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """A task as stored, returned by :meth:`LeaseQueue.get`."""
+
+    task_id: int
+    queue: str
+    status: Status
+    priority: int
+    attempts: int
+    max_attempts: int
+    payload: dict[str, Any]
+    result: dict[str, Any] | None
+    last_error: str | None
+    idempotency_key: str | None
+    run_at: datetime
+    lease_expires_at: datetime | None
+    worker_id: str | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """Task counts per status (zeros included) and the age of the oldest waiting task.
+
+    ``oldest_enqueued_seconds`` counts from when the oldest claimable task became due; it
+    is None when no task is waiting.
+    """
+
+    queue: str | None
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATUSES, 0))
+    oldest_enqueued_seconds: float | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+@dataclass(frozen=True)
+class RecoveredTask:
+    """A task whose lease had expired, as the sweeper found and recovered it."""
+
+    task_id: int
+    queue: str
+    attempt: int
+    worker_id: str | None
+    lease_expires_at: datetime
+    action: RecoveryAction
+
+
+@dataclass(frozen=True)
+class RecoveryEvent:
+    """A row of the durable recovery-event log; ``id`` only grows, in commit order."""
+
+    id: int
+    task_id: int
+    queue: str
+    action: RecoveryAction
+    attempt: int
+    worker_id: str | None
+    lease_expires_at: datetime
+    recovered_at: datetime
+
+    @property
+    def seconds_overdue(self) -> float:
+        """How long after its lease expired the task was recovered."""
+        return (self.recovered_at - self.lease_expires_at).total_seconds()
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One row of the attempts (idempotency) table."""
+
+    id: int
+    key: str
+    attempt: int
+    task_id: int | None
+    worker_id: str | None
+    outcome: str
+    error: str | None
+    result: dict[str, Any] | None
+    started_at: datetime
+    finished_at: datetime | None

@@ -1,0 +1,38 @@
+"""Turning payloads and results into JSON text the database will accept."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import PayloadError
+
+
+def encode_object(value: Any, *, what: str, max_bytes: int) -> str:
+    """Encode a JSON object, or raise PayloadError saying what to fix.
+
+    Checked here, before anything is written: the value must be a mapping with string keys,
+    every value must be JSON (no NaN or infinity, which jsonb refuses), no string may hold
+    a NUL character (jsonb refuses it too), and the encoded size must stay within the limit.
+    """
+    if not isinstance(value, Mapping):
+        raise PayloadError(
+            f"{what} must be a JSON object (a dict), got {type(value).__name__}: "
+            f"wrap it, for example {{'value': ...}}"
+        )
+    try:
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(f"{what} is not JSON-serialisable: {exc}") from None
+    if not all(isinstance(key, str) for key in value):
+        raise PayloadError(f"{what} keys must be strings (JSON object keys)")
+    if "\\u0000" in text:
+        raise PayloadError(f"{what} holds a NUL character (\\u0000), which PostgreSQL refuses")
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise PayloadError(
+            f"{what} is {size} bytes encoded, over the limit of {max_bytes} bytes "
+            "(LEASEQUEUE_PAYLOAD_MAX_BYTES): store large data elsewhere and enqueue a reference"
+        )
+    return text

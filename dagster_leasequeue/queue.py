@@ -1,0 +1,471 @@
+"""The queue: enqueue, claim, inspect and steer tasks stored in PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from . import schema as schema_module, sql
+from .attempts import Attempt, attempt_key, run_attempt
+from .connection import database_errors, open_pool
+from .dsn import describe
+from .embedded import embedded_dsn
+from .errors import ConfigurationError, TaskNotFound
+from .lease import Lease
+from .models import (
+    STATUSES,
+    AttemptRecord,
+    QueueStats,
+    RecoveredTask,
+    RecoveryEvent,
+    TaskInfo,
+)
+from .payloads import encode_object
+from .settings import LeaseQueueSettings, validate_schema_name
+from .sweeper import sweep_expired
+
+_POSTGRES_INT_MAX = 2**31 - 1
+# An idempotent enqueue can race with the task it collides with finishing; a retry settles it.
+_ENQUEUE_RETRIES = 5
+
+
+class LeaseQueue:
+    """A durable task queue in PostgreSQL, with leases that recover tasks of dead workers.
+
+    Example::
+
+        from dagster_leasequeue import LeaseQueue
+
+        with LeaseQueue("postgresql://app@db/app") as queue:
+            queue.install()
+            queue.enqueue({"document": "invoice-17.pdf"})
+            lease = queue.claim()
+            if lease is not None:
+                with lease:  # renews in the background, acks on success, fails on error
+                    handle(lease.payload)
+
+    With no DSN here nor in ``LEASEQUEUE_DSN``, it starts or attaches to an embedded
+    PostgreSQL under ``LEASEQUEUE_DATA_DIR``.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        schema: str | None = None,
+        settings: LeaseQueueSettings | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else LeaseQueueSettings()
+        self.schema = validate_schema_name(
+            schema if schema is not None else self.settings.schema_name
+        )
+        self.embedded = dsn is None and self.settings.dsn is None
+        if dsn is None:
+            dsn = self.settings.dsn_value() or embedded_dsn(self.settings.data_dir)
+        self._dsn = dsn
+        self.location = describe(dsn)
+        self.default_worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self._pool: ConnectionPool = open_pool(
+            dsn,
+            pool_size=self.settings.pool_size,
+            connect_timeout=self.settings.connect_timeout,
+            name=f"leasequeue-{self.schema}",
+        )
+        self._closed = threading.Event()
+
+    @classmethod
+    def from_settings(cls, settings: LeaseQueueSettings | None = None) -> LeaseQueue:
+        """Build a queue from settings (by default read from the ``LEASEQUEUE_*`` environment)."""
+        return cls(settings=settings if settings is not None else LeaseQueueSettings())
+
+    def __repr__(self) -> str:
+        return f"LeaseQueue(location={self.location!r}, schema={self.schema!r})"
+
+    def __enter__(self) -> LeaseQueue:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool. Leases still held simply expire and are swept."""
+        if not self._closed.is_set():
+            self._closed.set()
+            self._pool.close()
+
+    # -- schema ----------------------------------------------------------------------------
+
+    def install(self) -> int:
+        """Create the schema or migrate it to this release; return how many migrations ran.
+
+        Idempotent and safe to call from several processes at once.
+        """
+        with self._connection() as conn:
+            return schema_module.install(conn, self.schema)
+
+    def installed_version(self) -> int:
+        """The schema's migration version in the database (0: not installed)."""
+        with self._connection() as conn:
+            return schema_module.installed_version(conn, self.schema)
+
+    # -- producing -------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        payload: Mapping[str, Any],
+        *,
+        queue: str = "default",
+        priority: int = 0,
+        run_at: datetime | None = None,
+        delay: float | None = None,
+        idempotency_key: str | None = None,
+        max_attempts: int | None = None,
+        lease_seconds: float | None = None,
+    ) -> int:
+        """Add a task and return its id.
+
+        ``run_at`` (timezone-aware) or ``delay`` (seconds, database clock) postpone it.
+        With an ``idempotency_key`` that an unfinished task of the same queue already has,
+        nothing is inserted and that task's id is returned. Once that task is finished
+        (done, dead or cancelled) the key is free again and a new task is created: use
+        :meth:`attempt` to make the work itself happen once.
+        """
+        params = {
+            "queue": _check_queue(queue),
+            "priority": _check_priority(priority),
+            "payload": encode_object(
+                payload, what="payload", max_bytes=self.settings.payload_max_bytes
+            ),
+            "idempotency_key": _check_key(idempotency_key),
+            "max_attempts": self._max_attempts(max_attempts),
+            "lease_seconds": _check_positive("lease_seconds", lease_seconds),
+            "run_at": _check_run_at(run_at, delay),
+            "delay": _check_delay(delay),
+        }
+        with self._connection() as conn:
+            for _ in range(_ENQUEUE_RETRIES):
+                row = conn.execute(self._sql(sql.ENQUEUE), params).fetchone()
+                if row is None:
+                    row = conn.execute(self._sql(sql.FIND_UNFINISHED_BY_KEY), params).fetchone()
+                if row is not None:
+                    return int(row[0])
+        raise ConfigurationError(  # pragma: no cover - needs a task finishing at every retry
+            f"could not enqueue with idempotency key {idempotency_key!r}: it kept changing hands"
+        )
+
+    def enqueue_many(
+        self,
+        payloads: Iterable[Mapping[str, Any]],
+        *,
+        queue: str = "default",
+        priority: int = 0,
+        max_attempts: int | None = None,
+    ) -> list[int]:
+        """Add many tasks in one statement; return their ids in the payloads' order.
+
+        Every payload is checked before anything is written: one bad payload stores none.
+        """
+        limit = self.settings.payload_max_bytes
+        encoded = [
+            encode_object(payload, what=f"payload #{index}", max_bytes=limit)
+            for index, payload in enumerate(payloads)
+        ]
+        if not encoded:
+            return []
+        params = {
+            "queue": _check_queue(queue),
+            "priority": _check_priority(priority),
+            "max_attempts": self._max_attempts(max_attempts),
+            "payloads": encoded,
+        }
+        with self._connection() as conn:
+            rows = conn.execute(self._sql(sql.ENQUEUE_MANY), params).fetchall()
+        # Identity values are drawn in the order the rows were inserted.
+        return sorted(int(row[0]) for row in rows)
+
+    # -- consuming -------------------------------------------------------------------------
+
+    def claim(
+        self,
+        *,
+        queue: str = "default",
+        worker_id: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> Lease | None:
+        """Claim the next due task (highest priority, then oldest); None when there is none."""
+        leases = self.claim_many(1, queue=queue, worker_id=worker_id, lease_seconds=lease_seconds)
+        return leases[0] if leases else None
+
+    def claim_many(
+        self,
+        limit: int,
+        *,
+        queue: str = "default",
+        worker_id: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> list[Lease]:
+        """Claim up to ``limit`` due tasks in one statement, in claim order."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ConfigurationError(f"limit must be a whole number of at least 1, got {limit!r}")
+        params = {
+            "queue": _check_queue(queue),
+            "limit": limit,
+            "worker_id": worker_id or self.default_worker_id,
+            "lease_seconds": _check_positive("lease_seconds", lease_seconds),
+            "default_lease": self.settings.lease_seconds,
+        }
+        with self._connection() as conn:
+            rows = conn.execute(self._sql(sql.CLAIM), params).fetchall()
+        # UPDATE ... RETURNING gives no order; restore the claim's.
+        rows.sort(key=lambda row: (-row[3], row[4], row[0]))
+        return [
+            Lease(
+                self,
+                task_id=row[0],
+                queue_name=row[1],
+                payload=row[2],
+                priority=row[3],
+                attempt=row[5],
+                max_attempts=row[6],
+                token=row[7],
+                expires_at=row[8],
+                worker_id=row[9],
+                idempotency_key=row[10],
+                lease_seconds=float(row[11]),
+            )
+            for row in rows
+        ]
+
+    # -- maintenance -----------------------------------------------------------------------
+
+    def sweep(self, *, limit: int | None = None) -> list[RecoveredTask]:
+        """Recover every task whose lease has expired (at most ``limit``), in all queues.
+
+        A recovered task is enqueued again at once, or is ``dead`` when it used all its
+        attempts. Each recovery is also written to the recovery-event log. Several sweepers
+        may run at once: each expiry is recovered exactly once.
+        """
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ConfigurationError(f"limit must be None or at least 1, got {limit!r}")
+        with self._connection() as conn:
+            return sweep_expired(
+                conn, self.schema, batch_size=self.settings.sweep_batch_size, limit=limit
+            )
+
+    def recovery_events(self, after_id: int = 0, *, limit: int = 1000) -> list[RecoveryEvent]:
+        """Recovery events with an id above ``after_id``, oldest first.
+
+        Ids only grow in commit order, so a reader that remembers the last id it saw reads
+        every event exactly once.
+        """
+        with self._connection() as conn:
+            rows = conn.execute(
+                self._sql(sql.RECOVERY_EVENTS_AFTER), {"after_id": after_id, "limit": limit}
+            ).fetchall()
+        return [RecoveryEvent(*row) for row in rows]
+
+    # -- inspecting and steering -----------------------------------------------------------
+
+    def get(self, task_id: int) -> TaskInfo:
+        """The task with this id; raise TaskNotFound if there is none."""
+        with self._connection() as conn:
+            row = conn.execute(self._sql(sql.GET_TASK), {"task_id": task_id}).fetchone()
+        if row is None:
+            raise TaskNotFound(f"no task with id {task_id} in schema {self.schema!r}")
+        return TaskInfo(*row)
+
+    def stats(self, queue: str | None = None) -> QueueStats:
+        """Counts per status (every status, zeros included) for one queue or all of them."""
+        with self._connection() as conn:
+            rows = conn.execute(self._sql(sql.STATS), {"queue": queue}).fetchall()
+        counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
+        oldest: float | None = None
+        for _queue, status, count, age in rows:
+            counts[status] += int(count)
+            if age is not None:
+                oldest = max(float(age), oldest or 0.0)
+        return QueueStats(queue=queue, counts=counts, oldest_enqueued_seconds=oldest)
+
+    def queues(self) -> list[str]:
+        """The names of the queues that hold tasks."""
+        with self._connection() as conn:
+            rows = conn.execute(self._sql(sql.QUEUE_NAMES)).fetchall()
+        return [str(row[0]) for row in rows]
+
+    def cancel(self, task_id: int) -> bool:
+        """Cancel a task not yet finished; False if it had already finished.
+
+        A worker holding it loses its lease: its ack, fail and renew raise LeaseLost.
+        """
+        with self._connection() as conn:
+            if conn.execute(self._sql(sql.CANCEL), {"task_id": task_id}).fetchone():
+                return True
+            if conn.execute(self._sql(sql.TASK_EXISTS), {"task_id": task_id}).fetchone():
+                return False
+        raise TaskNotFound(f"no task with id {task_id} in schema {self.schema!r}")
+
+    def retry_dead(self, task_ids: Iterable[int] | None = None, *, queue: str | None = None) -> int:
+        """Enqueue dead tasks again with a fresh budget of attempts; return how many."""
+        ids = None if task_ids is None else [int(task_id) for task_id in task_ids]
+        with self._connection() as conn:
+            rows = conn.execute(
+                self._sql(sql.RETRY_DEAD), {"task_ids": ids, "queue": queue}
+            ).fetchall()
+        return len(rows)
+
+    # -- attempts --------------------------------------------------------------------------
+
+    @contextmanager
+    def attempt(
+        self,
+        key: str | None = None,
+        *,
+        lease: Lease | None = None,
+        worker_id: str | None = None,
+    ) -> Iterator[Attempt]:
+        """Do a piece of work at most once per key, its effects and its ack in one transaction.
+
+        ``attempt.connection`` is inside the attempt's transaction: effects written through
+        it, the success mark and, with a lease, the fenced ack commit together or not at
+        all. ``attempt.duplicate`` is true when the key already succeeded: skip the work.
+        With a lease and no key, the key is the task's idempotency key, else its queue and id.
+
+        Example::
+
+            with queue.attempt(lease=lease) as attempt:
+                if not attempt.duplicate:
+                    attempt.connection.execute("INSERT INTO results ...")
+                    attempt.result = {"rows": 1}
+        """
+        resolved = attempt_key(key, lease)
+        if lease is not None:
+            lease.raise_if_lost()
+        worker = worker_id or (lease.worker_id if lease else None) or self.default_worker_id
+        with (
+            self._borrow() as conn,
+            run_attempt(
+                conn,
+                schema=self.schema,
+                key=resolved,
+                lease=lease,
+                worker_id=worker,
+                errors=self._errors,
+                encode_result=self._encode_result,
+            ) as attempt,
+        ):
+            yield attempt
+
+    def attempts(self, key: str) -> list[AttemptRecord]:
+        """Every recorded attempt for ``key``, oldest first."""
+        with self._connection() as conn:
+            rows = conn.execute(self._sql(sql.ATTEMPTS_FOR_KEY), {"key": key}).fetchall()
+        return [AttemptRecord(*row) for row in rows]
+
+    # -- internals shared with Lease and the attempts ---------------------------------------
+
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection for the package's own statements, with errors mapped."""
+        with self._errors(), self._pool.connection() as conn:
+            yield conn
+
+    @contextmanager
+    def _borrow(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection lent to caller code, whose own errors pass through untouched."""
+        with self._errors():
+            conn = self._pool.getconn()
+        try:
+            yield conn
+        finally:
+            self._pool.putconn(conn)
+
+    def _errors(self) -> AbstractContextManager[None]:
+        return database_errors(self._dsn, self.schema)
+
+    def _sql(self, template: str) -> str:
+        return sql.compose(template, self.schema)
+
+    def _encode_result(self, result: Mapping[str, Any] | None) -> str | None:
+        if result is None:
+            return None
+        return encode_object(result, what="result", max_bytes=self.settings.payload_max_bytes)
+
+    def _retry_delay(self, attempt: int) -> float:
+        """Exponential backoff with jitter: between half and all of base * 2**(attempt-1)."""
+        base, cap = self.settings.retry_backoff_base, self.settings.retry_backoff_cap
+        ceiling = min(cap, base * 2.0 ** min(max(attempt - 1, 0), 62))
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+    def _max_attempts(self, value: int | None) -> int:
+        if value is None:
+            return self.settings.max_attempts
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 10_000:
+            raise ConfigurationError(f"max_attempts must be from 1 to 10000, got {value!r}")
+        return value
+
+
+def _check_queue(queue: str) -> str:
+    if not isinstance(queue, str) or not queue.strip() or len(queue) > 200:
+        raise ConfigurationError(
+            f"queue must be a non-empty name of up to 200 characters, got {queue!r}"
+        )
+    return queue
+
+
+def _check_priority(priority: int) -> int:
+    if (
+        not isinstance(priority, int)
+        or isinstance(priority, bool)
+        or abs(priority) > _POSTGRES_INT_MAX
+    ):
+        raise ConfigurationError(f"priority must be a whole number within ±2**31, got {priority!r}")
+    return priority
+
+
+def _check_key(key: str | None) -> str | None:
+    if key is not None and (not isinstance(key, str) or not key or "\x00" in key):
+        raise ConfigurationError(f"idempotency_key must be a non-empty string, got {key!r}")
+    return key
+
+
+def _check_positive(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 10**9:
+        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _check_delay(delay: float | None) -> float | None:
+    if delay is None:
+        return None
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay < 10**9:
+        raise ConfigurationError(f"delay must be 0 or more seconds, got {delay!r}")
+    return float(delay)
+
+
+def _check_run_at(run_at: datetime | None, delay: float | None) -> datetime | None:
+    if run_at is None:
+        return None
+    if delay is not None:
+        raise ConfigurationError("give run_at or delay, not both")
+    if not isinstance(run_at, datetime) or run_at.tzinfo is None:
+        raise ConfigurationError(
+            "run_at must be a timezone-aware datetime, for example datetime.now(timezone.utc)"
+        )
+    return run_at

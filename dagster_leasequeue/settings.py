@@ -1,0 +1,123 @@
+"""Settings, read from ``LEASEQUEUE_*`` environment variables and a ``.env`` file."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import ConfigurationError
+
+ENV_PREFIX = "LEASEQUEUE_"
+SCHEMA_NAME_PATTERN = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def default_data_dir() -> Path:
+    """Where the embedded PostgreSQL keeps its data when ``LEASEQUEUE_DATA_DIR`` is unset."""
+    return platformdirs.user_data_path("dagster-leasequeue") / "pgdata"
+
+
+def validate_schema_name(name: str) -> str:
+    """Return ``name`` if it is a safe PostgreSQL schema name, else raise ConfigurationError."""
+    if not isinstance(name, str) or not SCHEMA_NAME_PATTERN.match(name):
+        raise ConfigurationError(
+            f"schema name {name!r} is not allowed: use 1 to 63 lowercase ASCII letters, "
+            "digits or underscores, starting with a letter or underscore (for example 'leasequeue')"
+        )
+    return name
+
+
+class LeaseQueueSettings(BaseSettings):
+    """Configuration of a :class:`~dagster_leasequeue.LeaseQueue`.
+
+    Every field can be set by an environment variable named ``LEASEQUEUE_`` plus the field
+    name in capitals (``LEASEQUEUE_DSN``, ``LEASEQUEUE_LEASE_SECONDS``, ...) or by the same
+    names in a ``.env`` file in the working directory. Keyword arguments win over both.
+
+    Example::
+
+        settings = LeaseQueueSettings(lease_seconds=60)
+        with LeaseQueue.from_settings(settings) as queue:
+            queue.install()
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        validate_default=True,
+    )
+
+    dsn: SecretStr | None = Field(
+        default=None,
+        description="PostgreSQL connection string. Unset: the embedded server under data_dir.",
+    )
+    schema_name: str = Field(
+        default="leasequeue", description="Schema that holds the queue's tables."
+    )
+    lease_seconds: float = Field(
+        default=300.0, gt=0, le=7 * 24 * 3600, description="Default lease of a claim, in seconds."
+    )
+    max_attempts: int = Field(
+        default=5, ge=1, le=10_000, description="Default number of claims before a task is dead."
+    )
+    data_dir: Path = Field(
+        default_factory=default_data_dir,
+        description="Data directory of the embedded PostgreSQL server.",
+    )
+    connect_timeout: float = Field(
+        default=5.0, gt=0, le=300, description="Seconds to wait for a connection before failing."
+    )
+    pool_size: int = Field(
+        default=4, ge=1, le=1000, description="Largest number of pooled connections."
+    )
+    retry_backoff_base: float = Field(
+        default=1.0, ge=0, description="Delay before the first retry after fail(), in seconds."
+    )
+    retry_backoff_cap: float = Field(
+        default=600.0, ge=0, description="Longest delay between retries, in seconds."
+    )
+    sweep_batch_size: int = Field(
+        default=500, ge=1, le=100_000, description="Expired leases recovered per transaction."
+    )
+    payload_max_bytes: int = Field(
+        default=1024 * 1024, ge=2, description="Largest encoded payload or result, in bytes."
+    )
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigurationError(_explain(exc)) from None
+
+    @field_validator("schema_name")
+    @classmethod
+    def _check_schema_name(cls, value: str) -> str:
+        if not SCHEMA_NAME_PATTERN.match(value):
+            raise ValueError(
+                "use 1 to 63 lowercase ASCII letters, digits or underscores, "
+                "starting with a letter or underscore"
+            )
+        return value
+
+    def dsn_value(self) -> str | None:
+        """The DSN as plain text, or None for the embedded server."""
+        return self.dsn.get_secret_value() if self.dsn is not None else None
+
+
+_SECRET_FIELDS = {"dsn"}
+
+
+def _explain(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else "?"
+        variable = f"{ENV_PREFIX}{field.upper()}"
+        shown = "" if field in _SECRET_FIELDS else f" (got {error.get('input')!r})"
+        problems.append(f"{field} / {variable}: {error['msg']}{shown}")
+    return "invalid dagster-leasequeue settings: " + "; ".join(problems)

@@ -1,0 +1,383 @@
+"""Every SQL statement dagster-leasequeue runs, in one reviewable place.
+
+Statements are templates over ``{schema}``, composed with :class:`psycopg.sql.Identifier`
+so a schema name is always quoted. Times always come from ``clock_timestamp()``: the
+database's clock at the moment of the statement, never the client's and never the start
+of a transaction (``now()``), so a claim made late in a long transaction still gets its
+full lease.
+
+Migrations are numbered; :mod:`dagster_leasequeue.schema` applies the ones a database
+lacks. Never edit a released migration: append a new one.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from psycopg import sql
+
+# Namespace for advisory locks taken by this package (first key of the two-key form).
+ADVISORY_NAMESPACE = 0x6C71  # "lq"
+
+
+class Migration(NamedTuple):
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "tasks, recovery events and attempts",
+        (
+            # fillfactor leaves room on each page so the hot updates (claim, renew, ack)
+            # can stay on the same page.
+            """
+            CREATE TABLE {schema}.tasks (
+                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                queue text NOT NULL,
+                status text NOT NULL DEFAULT 'enqueued'
+                    CHECK (status IN ('enqueued', 'processing', 'done', 'dead', 'cancelled')),
+                priority integer NOT NULL DEFAULT 0,
+                payload jsonb NOT NULL,
+                result jsonb,
+                idempotency_key text,
+                attempts integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+                max_attempts integer NOT NULL CHECK (max_attempts >= 1),
+                lease_seconds double precision CHECK (lease_seconds > 0),
+                run_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                lease_token bigint,
+                lease_expires_at timestamptz,
+                worker_id text,
+                last_error text,
+                created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                finished_at timestamptz
+            ) WITH (fillfactor = 80)
+            """,
+            # The claim path: only waiting rows, in the claim's ORDER BY.
+            """
+            CREATE INDEX tasks_claim_idx ON {schema}.tasks (queue, priority DESC, run_at, id)
+                WHERE status = 'enqueued'
+            """,
+            # The sweep path: only rows under lease, however many finished rows pile up.
+            # lease_expires_at is deliberately not indexed so that renewals stay HOT updates.
+            """
+            CREATE INDEX tasks_processing_idx ON {schema}.tasks (id)
+                WHERE status = 'processing'
+            """,
+            """
+            CREATE UNIQUE INDEX tasks_idempotency_idx ON {schema}.tasks (queue, idempotency_key)
+                WHERE idempotency_key IS NOT NULL AND status IN ('enqueued', 'processing')
+            """,
+            # Fencing tokens: one new value per claim, increasing, never reused.
+            "CREATE SEQUENCE {schema}.lease_tokens AS bigint",
+            """
+            CREATE TABLE {schema}.recovery_events (
+                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                task_id bigint NOT NULL,
+                queue text NOT NULL,
+                action text NOT NULL CHECK (action IN ('requeued', 'dead')),
+                attempt integer NOT NULL,
+                worker_id text,
+                lease_expires_at timestamptz NOT NULL,
+                recovered_at timestamptz NOT NULL DEFAULT clock_timestamp()
+            )
+            """,
+            """
+            CREATE TABLE {schema}.attempts (
+                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                key text NOT NULL,
+                attempt integer NOT NULL,
+                task_id bigint,
+                worker_id text,
+                outcome text NOT NULL
+                    CHECK (outcome IN ('running', 'succeeded', 'failed', 'skipped', 'abandoned')),
+                error text,
+                result jsonb,
+                started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                finished_at timestamptz
+            )
+            """,
+            "CREATE INDEX attempts_key_idx ON {schema}.attempts (key)",
+            # At most one success per key, whatever happens to the locks.
+            """
+            CREATE UNIQUE INDEX attempts_success_idx ON {schema}.attempts (key)
+                WHERE outcome = 'succeeded'
+            """,
+        ),
+    ),
+)
+
+LATEST_VERSION = MIGRATIONS[-1].version
+
+# -- schema management -------------------------------------------------------------------
+
+SCHEMA_EXISTS = "SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s"
+VERSION_TABLE_EXISTS = "SELECT to_regclass(%(qualified)s) IS NOT NULL"
+CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM {schema}.schema_version"
+LOCK_SCHEMA = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s))"
+CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {schema}"
+CREATE_VERSION_TABLE = """
+    CREATE TABLE IF NOT EXISTS {schema}.schema_version (
+        version integer PRIMARY KEY,
+        description text NOT NULL,
+        applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
+    )
+"""
+RECORD_VERSION = """
+    INSERT INTO {schema}.schema_version (version, description)
+    VALUES (%(version)s, %(description)s)
+"""
+
+# -- producing ----------------------------------------------------------------------------
+
+# run_at: an explicit time, else now plus the delay (0 when none), on the database clock.
+_RUN_AT = (
+    "coalesce(%(run_at)s::timestamptz, "
+    "clock_timestamp() + make_interval(secs => coalesce(%(delay)s, 0)))"
+)
+
+ENQUEUE = (
+    """
+    INSERT INTO {schema}.tasks
+        (queue, priority, payload, idempotency_key, max_attempts, lease_seconds, run_at)
+    VALUES (%(queue)s, %(priority)s, %(payload)s::jsonb, %(idempotency_key)s,
+            %(max_attempts)s, %(lease_seconds)s, """
+    + _RUN_AT
+    + """)
+    ON CONFLICT (queue, idempotency_key)
+        WHERE idempotency_key IS NOT NULL AND status IN ('enqueued', 'processing')
+        DO NOTHING
+    RETURNING id
+"""
+)
+
+FIND_UNFINISHED_BY_KEY = """
+    SELECT id FROM {schema}.tasks
+    WHERE queue = %(queue)s AND idempotency_key = %(idempotency_key)s
+      AND status IN ('enqueued', 'processing')
+"""
+
+# One statement for any number of tasks; identity values are drawn in ordinality order.
+ENQUEUE_MANY = """
+    INSERT INTO {schema}.tasks (queue, priority, payload, max_attempts)
+    SELECT %(queue)s, %(priority)s, p.payload::jsonb, %(max_attempts)s
+    FROM unnest(%(payloads)s::text[]) WITH ORDINALITY AS p(payload, ord)
+    ORDER BY p.ord
+    RETURNING id
+"""
+
+# -- claiming and the lease -------------------------------------------------------------
+
+# The rows are locked in a CTE with LIMIT: "id IN (SELECT ... LIMIT n FOR UPDATE SKIP
+# LOCKED)" may be re-evaluated by the planner and claim more than n rows.
+CLAIM = """
+    WITH picked AS (
+        SELECT id FROM {schema}.tasks
+        WHERE status = 'enqueued' AND queue = %(queue)s AND run_at <= clock_timestamp()
+        ORDER BY priority DESC, run_at, id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE {schema}.tasks AS t
+    SET status = 'processing',
+        attempts = t.attempts + 1,
+        lease_token = nextval({lease_tokens}::regclass),
+        lease_expires_at = clock_timestamp()
+            + make_interval(
+                secs => coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)),
+        worker_id = %(worker_id)s,
+        updated_at = clock_timestamp()
+    FROM picked
+    WHERE t.id = picked.id
+    RETURNING t.id, t.queue, t.payload, t.priority, t.run_at, t.attempts, t.max_attempts,
+              t.lease_token, t.lease_expires_at, t.worker_id, t.idempotency_key,
+              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)
+"""
+
+# Fencing: every lease operation matches the token of this claim and the status it left.
+# ack and fail keep the token on the row (the sweeper and cancel clear it), so a holder
+# whose statement changed nothing can tell its own earlier conclusion from a lost lease.
+_FENCE = "id = %(task_id)s AND lease_token = %(token)s AND status = 'processing'"
+
+ACK = (
+    """
+    UPDATE {schema}.tasks
+    SET status = 'done', result = %(result)s::jsonb, lease_expires_at = NULL,
+        finished_at = clock_timestamp(), updated_at = clock_timestamp()
+    WHERE """
+    + _FENCE
+    + """
+    RETURNING id
+"""
+)
+
+FAIL = (
+    """
+    UPDATE {schema}.tasks
+    SET status = CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'enqueued' END,
+        run_at = clock_timestamp() + make_interval(secs => %(retry_in)s),
+        last_error = %(error)s, lease_expires_at = NULL,
+        finished_at = CASE WHEN attempts >= max_attempts THEN clock_timestamp() END,
+        updated_at = clock_timestamp()
+    WHERE """
+    + _FENCE
+    + """
+    RETURNING status, run_at
+"""
+)
+
+RENEW = (
+    """
+    UPDATE {schema}.tasks
+    SET lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
+    WHERE """
+    + _FENCE
+    + """
+    RETURNING lease_expires_at
+"""
+)
+
+# Why a fenced statement changed nothing, for the LeaseLost message.
+LEASE_STATE = "SELECT status, lease_token FROM {schema}.tasks WHERE id = %(task_id)s"
+
+# -- the sweeper -------------------------------------------------------------------------
+
+# Serialises sweeps of one schema so recovery events commit in id order: a reader that
+# remembers the last id it saw can never skip an event.
+LOCK_SWEEP = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s || '.sweep'))"
+
+SWEEP_BATCH = """
+    WITH expired AS (
+        SELECT id, lease_expires_at FROM {schema}.tasks
+        WHERE status = 'processing' AND lease_expires_at < clock_timestamp()
+        ORDER BY lease_expires_at
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ), recovered AS (
+        UPDATE {schema}.tasks AS t
+        SET status = CASE WHEN t.attempts >= t.max_attempts THEN 'dead' ELSE 'enqueued' END,
+            run_at = clock_timestamp(),
+            lease_token = NULL,
+            lease_expires_at = NULL,
+            last_error = 'lease expired at ' || expired.lease_expires_at
+                || ' (held by ' || coalesce(t.worker_id, 'unknown worker') || ')',
+            finished_at = CASE WHEN t.attempts >= t.max_attempts THEN clock_timestamp() END,
+            updated_at = clock_timestamp()
+        FROM expired
+        WHERE t.id = expired.id
+        RETURNING t.id, t.queue, t.attempts, t.worker_id, expired.lease_expires_at,
+                  CASE WHEN t.status = 'dead' THEN 'dead' ELSE 'requeued' END AS action
+    )
+    INSERT INTO {schema}.recovery_events
+        (task_id, queue, action, attempt, worker_id, lease_expires_at)
+    SELECT id, queue, action, attempts, worker_id, lease_expires_at
+    FROM recovered ORDER BY lease_expires_at, id
+    RETURNING task_id, queue, attempt, worker_id, lease_expires_at, action, id, recovered_at
+"""
+
+RECOVERY_EVENTS_AFTER = """
+    SELECT id, task_id, queue, action, attempt, worker_id, lease_expires_at, recovered_at
+    FROM {schema}.recovery_events
+    WHERE id > %(after_id)s
+    ORDER BY id
+    LIMIT %(limit)s
+"""
+
+# -- inspecting and steering -------------------------------------------------------------
+
+GET_TASK = """
+    SELECT id, queue, status, priority, attempts, max_attempts, payload, result, last_error,
+           idempotency_key, run_at, lease_expires_at, worker_id, created_at, updated_at,
+           finished_at
+    FROM {schema}.tasks WHERE id = %(task_id)s
+"""
+
+STATS = """
+    SELECT queue, status, count(*),
+           extract(epoch FROM clock_timestamp()
+                   - min(run_at) FILTER (WHERE status = 'enqueued'
+                                           AND run_at <= clock_timestamp()))
+    FROM {schema}.tasks
+    WHERE %(queue)s::text IS NULL OR queue = %(queue)s
+    GROUP BY queue, status
+"""
+
+QUEUE_NAMES = "SELECT DISTINCT queue FROM {schema}.tasks ORDER BY queue"
+
+CANCEL = """
+    UPDATE {schema}.tasks
+    SET status = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
+        finished_at = clock_timestamp(), updated_at = clock_timestamp()
+    WHERE id = %(task_id)s AND status IN ('enqueued', 'processing')
+    RETURNING id
+"""
+
+TASK_EXISTS = "SELECT 1 FROM {schema}.tasks WHERE id = %(task_id)s"
+
+RETRY_DEAD = """
+    UPDATE {schema}.tasks
+    SET status = 'enqueued', attempts = 0, run_at = clock_timestamp(), finished_at = NULL,
+        updated_at = clock_timestamp()
+    WHERE status = 'dead'
+      AND (%(task_ids)s::bigint[] IS NULL OR id = ANY(%(task_ids)s::bigint[]))
+      AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+    RETURNING id
+"""
+
+# -- attempts (the idempotency table) ------------------------------------------------------
+
+LOCK_ATTEMPT_KEY = "SELECT pg_advisory_lock(%(namespace)s, hashtext(%(schema)s || '.' || %(key)s))"
+UNLOCK_ATTEMPT_KEY = (
+    "SELECT pg_advisory_unlock(%(namespace)s, hashtext(%(schema)s || '.' || %(key)s))"
+)
+
+# Runs while this session holds the key's lock, so a row still 'running' belongs to an
+# attempt whose process died: it is marked abandoned. Then the key's first success, if
+# any, and a new row recording this attempt.
+BEGIN_ATTEMPT = """
+    WITH abandoned AS (
+        UPDATE {schema}.attempts SET outcome = 'abandoned', finished_at = clock_timestamp()
+        WHERE key = %(key)s AND outcome = 'running'
+        RETURNING id
+    ), previous AS (
+        SELECT count(*) AS n,
+               bool_or(outcome = 'succeeded') AS succeeded,
+               (array_agg(result) FILTER (WHERE outcome = 'succeeded'))[1] AS result
+        FROM {schema}.attempts WHERE key = %(key)s
+    )
+    INSERT INTO {schema}.attempts (key, attempt, task_id, worker_id, outcome)
+    SELECT %(key)s, previous.n + 1, %(task_id)s, %(worker_id)s,
+           CASE WHEN previous.succeeded THEN 'skipped' ELSE 'running' END
+    FROM previous
+    RETURNING id, attempt, outcome = 'skipped',
+              (SELECT result FROM previous), (SELECT count(*) FROM abandoned)
+"""
+
+FINISH_ATTEMPT = """
+    UPDATE {schema}.attempts
+    SET outcome = %(outcome)s, error = %(error)s, result = %(result)s::jsonb,
+        finished_at = clock_timestamp()
+    WHERE id = %(attempt_id)s
+"""
+
+ATTEMPTS_FOR_KEY = """
+    SELECT id, key, attempt, task_id, worker_id, outcome, error, result, started_at, finished_at
+    FROM {schema}.attempts WHERE key = %(key)s ORDER BY id
+"""
+
+
+@lru_cache(maxsize=1024)
+def compose(template: str, schema: str) -> str:
+    """Render a template for ``schema``, quoting the schema name as an identifier."""
+    return (
+        sql.SQL(template)
+        .format(
+            schema=sql.Identifier(schema),
+            lease_tokens=sql.Literal(sql.Identifier(schema, "lease_tokens").as_string(None)),
+        )
+        .as_string(None)
+    )

@@ -1,0 +1,214 @@
+"""Enqueue, claim order, scheduling, idempotency keys, inspection and steering."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from dagster_leasequeue import (
+    ConfigurationError,
+    LeaseQueue,
+    SchemaNotInstalled,
+    TaskNotFound,
+)
+
+from .helpers import run_sql
+
+
+def drain(queue: LeaseQueue, name: str = "default") -> list[int]:
+    order = []
+    while (lease := queue.claim(queue=name)) is not None:
+        order.append(lease.payload["n"])
+        lease.ack()
+    return order
+
+
+def test_claim_order_is_priority_then_fifo(queue: LeaseQueue) -> None:
+    for n, priority in [(1, 0), (2, 5), (3, 0), (4, 5), (5, -1)]:
+        queue.enqueue({"n": n}, priority=priority)
+    assert drain(queue) == [2, 4, 1, 3, 5]
+
+
+def test_enqueue_many_keeps_order_and_returns_ids(queue: LeaseQueue) -> None:
+    ids = queue.enqueue_many([{"n": n} for n in range(2000)], queue="bulk", max_attempts=2)
+    assert len(ids) == 2000 and ids == sorted(ids)
+    assert queue.get(ids[17]).payload == {"n": 17}
+    assert queue.get(ids[17]).max_attempts == 2
+    assert drain(queue, "bulk")[:5] == [0, 1, 2, 3, 4]
+    assert queue.enqueue_many([]) == []
+
+
+def test_queues_are_separate(queue: LeaseQueue) -> None:
+    queue.enqueue({"n": 1}, queue="a")
+    assert queue.claim(queue="b") is None
+    lease = queue.claim(queue="a")
+    assert lease is not None and lease.queue == "a"
+    assert queue.queues() == ["a"]
+
+
+def test_delay_and_run_at_hold_a_task_back(queue: LeaseQueue) -> None:
+    queue.enqueue({"n": 1}, delay=0.6)
+    queue.enqueue({"n": 2}, run_at=datetime.now(timezone.utc) + timedelta(hours=1))
+    assert queue.claim() is None
+    time.sleep(0.7)
+    assert drain(queue) == [1]
+    with pytest.raises(ConfigurationError, match="timezone-aware"):
+        queue.enqueue({"n": 3}, run_at=datetime.now())
+    with pytest.raises(ConfigurationError, match="not both"):
+        queue.enqueue({"n": 3}, run_at=datetime.now(timezone.utc), delay=1)
+
+
+def test_a_due_run_at_in_the_past_is_claimable(queue: LeaseQueue) -> None:
+    queue.enqueue({"n": 1}, run_at=datetime.now(timezone.utc) - timedelta(minutes=5))
+    assert drain(queue) == [1]
+
+
+def test_lease_fields(queue: LeaseQueue) -> None:
+    task_id = queue.enqueue({"n": 1}, priority=3, idempotency_key="k1", lease_seconds=12)
+    lease = queue.claim(worker_id="w-1")
+    assert lease is not None
+    assert (lease.task_id, lease.queue, lease.payload, lease.priority) == (
+        task_id,
+        "default",
+        {"n": 1},
+        3,
+    )
+    assert (lease.attempt, lease.worker_id, lease.idempotency_key) == (1, "w-1", "k1")
+    assert lease.lease_seconds == 12
+    db_now = run_sql(queue, "SELECT clock_timestamp()")[0][0]
+    assert timedelta(seconds=11) < lease.expires_at - db_now <= timedelta(seconds=12)
+    info = queue.get(task_id)
+    assert info.status == "processing" and info.worker_id == "w-1" and info.attempts == 1
+
+
+def test_claim_lease_seconds_overrides_the_task_and_the_default(queue: LeaseQueue) -> None:
+    queue.enqueue({"n": 1}, lease_seconds=100)
+    lease = queue.claim(lease_seconds=7)
+    assert lease is not None and lease.lease_seconds == 7
+    queue.enqueue({"n": 2})
+    lease = queue.claim()
+    assert lease is not None and lease.lease_seconds == queue.settings.lease_seconds
+
+
+def test_token_is_new_and_increasing_for_every_claim(queue: LeaseQueue) -> None:
+    queue.enqueue({"n": 1})
+    tokens = []
+    for _ in range(3):
+        lease = queue.claim()
+        assert lease is not None
+        tokens.append(lease.token)
+        lease.fail("again", retry_in=0)
+    assert tokens == sorted(set(tokens)) and len(tokens) == 3
+
+
+def test_claim_many_returns_in_claim_order_and_honours_limit(queue: LeaseQueue) -> None:
+    queue.enqueue_many([{"n": n} for n in range(10)])
+    queue.enqueue({"n": 99}, priority=1)
+    leases = queue.claim_many(4)
+    assert [lease.payload["n"] for lease in leases] == [99, 0, 1, 2]
+    assert len(queue.claim_many(100)) == 7
+    assert queue.claim_many(5) == []
+    with pytest.raises(ConfigurationError, match="limit"):
+        queue.claim_many(0)
+
+
+def test_idempotency_key_returns_the_unfinished_task(queue: LeaseQueue) -> None:
+    first = queue.enqueue({"n": 1}, idempotency_key="invoice-7")
+    assert queue.enqueue({"n": 2}, idempotency_key="invoice-7") == first
+    assert queue.enqueue({"n": 3}, idempotency_key="invoice-7", queue="other") != first
+    lease = queue.claim()
+    assert lease is not None
+    assert queue.enqueue({"n": 4}, idempotency_key="invoice-7") == first  # still processing
+    lease.ack()
+    # Once finished, the key is free: a new task is created.
+    again = queue.enqueue({"n": 5}, idempotency_key="invoice-7")
+    assert again != first
+    assert queue.get(first).payload == {"n": 1}
+    assert queue.stats("default").total == 2
+
+
+def test_stats_counts_every_status(queue: LeaseQueue) -> None:
+    assert queue.stats().counts == {
+        "enqueued": 0,
+        "processing": 0,
+        "done": 0,
+        "dead": 0,
+        "cancelled": 0,
+    }
+    assert queue.stats().oldest_enqueued_seconds is None
+    ids = queue.enqueue_many([{"n": n} for n in range(5)])
+    queue.enqueue({"n": 9}, queue="other")
+    lease = queue.claim()
+    assert lease is not None
+    lease.ack()
+    queue.claim()
+    queue.cancel(ids[4])
+    time.sleep(0.2)
+    stats = queue.stats("default")
+    assert stats.counts == {"enqueued": 2, "processing": 1, "done": 1, "dead": 0, "cancelled": 1}
+    assert stats.oldest_enqueued_seconds is not None and stats.oldest_enqueued_seconds >= 0.2
+    assert queue.stats().counts["enqueued"] == 3
+
+
+def test_cancel(queue: LeaseQueue) -> None:
+    waiting = queue.enqueue({"n": 1})
+    held = queue.enqueue({"n": 2})
+    assert queue.cancel(waiting) is True
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == held
+    assert queue.cancel(held) is True
+    assert queue.cancel(held) is False
+    assert queue.get(held).status == "cancelled"
+    with pytest.raises(TaskNotFound):
+        queue.cancel(10**12)
+
+
+def test_retry_dead_gives_a_fresh_budget(queue: LeaseQueue) -> None:
+    a = queue.enqueue({"n": 1}, max_attempts=1, queue="q1")
+    b = queue.enqueue({"n": 2}, max_attempts=1, queue="q2")
+    for name in ("q1", "q2"):
+        lease = queue.claim(queue=name)
+        assert lease is not None
+        assert lease.fail("boom") == "dead"
+    assert queue.retry_dead([a]) == 1
+    assert queue.get(a).status == "enqueued" and queue.get(a).attempts == 0
+    assert queue.get(a).last_error == "boom"
+    assert queue.retry_dead(queue="q2") == 1
+    assert queue.retry_dead() == 0
+    lease = queue.claim(queue="q1")
+    assert lease is not None and lease.attempt == 1
+
+
+def test_get_unknown_task(queue: LeaseQueue) -> None:
+    with pytest.raises(TaskNotFound, match="no task with id 424242"):
+        queue.get(424242)
+
+
+def test_install_is_idempotent_and_versioned(make_queue) -> None:  # type: ignore[no-untyped-def]
+    queue = make_queue()
+    assert queue.installed_version() == 0
+    with pytest.raises(SchemaNotInstalled, match=r"call LeaseQueue.install\(\)"):
+        queue.enqueue({"n": 1})
+    with pytest.raises(SchemaNotInstalled):
+        queue.claim()
+    assert queue.install() == 1
+    assert queue.install() == 0
+    assert queue.installed_version() == 1
+
+
+def test_concurrent_installs(make_queue) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    queues = [make_queue() for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        applied = list(pool.map(lambda q: q.install(), queues))
+    assert sorted(applied) == [0, 0, 0, 1]
+    queues[0].enqueue({"n": 1})
+
+
+def test_a_newer_schema_is_refused(queue: LeaseQueue) -> None:
+    run_sql(queue, "INSERT INTO {schema}.schema_version VALUES (99, 'future')")
+    with pytest.raises(ConfigurationError, match="upgrade dagster-leasequeue"):
+        queue.install()
