@@ -43,7 +43,7 @@ def describe(dsn: str) -> str:
         params = conninfo_to_dict(dsn)
     except Exception as exc:
         raise ConfigurationError(
-            f"the DSN is not a valid PostgreSQL connection string ({redact(str(exc), dsn)}); "
+            f"the DSN is not a valid PostgreSQL connection string ({redact(str(exc).strip(), dsn)}); "
             "expected for example postgresql://user:password@host:5432/dbname"
         ) from None
     host = str(params.get("host") or "localhost")

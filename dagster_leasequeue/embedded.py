@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from pathlib import Path
 
 from .errors import DatabaseUnavailable
@@ -33,7 +34,11 @@ def embedded_dsn(data_dir: Path | str, *, database: str = "postgres") -> str:
 
 def _start(path: Path) -> object:
     try:
-        import pgserver
+        with warnings.catch_warnings():
+            # pgserver asks platformdirs for a runtime directory; the fallback it warns
+            # about (a folder under /tmp) is fine for its lock file.
+            warnings.simplefilter("ignore")
+            import pgserver
     except ImportError:  # pragma: no cover - pgserver is a dependency
         raise DatabaseUnavailable(
             "no PostgreSQL DSN is configured (LEASEQUEUE_DSN) and the embedded server is not "

@@ -1,0 +1,127 @@
+"""Bad input gets a clear error and stores nothing; settings name the variable to fix."""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from dagster_leasequeue import (
+    ConfigurationError,
+    LeaseQueue,
+    LeaseQueueSettings,
+    PayloadError,
+)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ([1, 2], "must be a JSON object"),
+        ("text", "must be a JSON object"),
+        (None, "must be a JSON object"),
+        ({"when": object()}, "not JSON-serialisable"),
+        ({"amount": Decimal("1.5")}, "not JSON-serialisable"),
+        ({"x": math.nan}, "not JSON-serialisable"),
+        ({"x": math.inf}, "not JSON-serialisable"),
+        ({"x": "a\x00b"}, "NUL"),
+        ({1: "int key"}, "keys must be strings"),
+    ],
+)
+def test_bad_payloads_are_refused_and_nothing_is_stored(
+    queue: LeaseQueue, payload: object, message: str
+) -> None:
+    with pytest.raises(PayloadError, match=message):
+        queue.enqueue(payload)  # type: ignore[arg-type]
+    with pytest.raises(PayloadError, match=message):
+        queue.enqueue_many([{"ok": 1}, payload])  # type: ignore[list-item]
+    assert queue.stats().total == 0
+
+
+def test_oversized_payload_is_refused(make_queue) -> None:  # type: ignore[no-untyped-def]
+    queue = make_queue(payload_max_bytes=1000)
+    queue.install()
+    with pytest.raises(PayloadError, match=r"over the limit of 1000 bytes.*PAYLOAD_MAX_BYTES"):
+        queue.enqueue({"blob": "x" * 1000})
+    queue.enqueue({"blob": "x" * 900})
+    assert queue.stats().total == 1
+
+
+def test_oversized_result_is_refused_and_the_lease_kept(make_queue) -> None:  # type: ignore[no-untyped-def]
+    queue = make_queue(payload_max_bytes=100)
+    queue.install()
+    task_id = queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    with pytest.raises(PayloadError, match="result"):
+        lease.ack({"big": "y" * 200})
+    assert queue.get(task_id).status == "processing"
+    lease.ack({"small": 1})
+    assert queue.get(task_id).status == "done"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"queue": ""}, "queue must be"),
+        ({"priority": 2**40}, "priority"),
+        ({"priority": 1.5}, "priority"),
+        ({"delay": -1}, "delay"),
+        ({"max_attempts": 0}, "max_attempts"),
+        ({"lease_seconds": 0}, "lease_seconds"),
+        ({"idempotency_key": ""}, "idempotency_key"),
+    ],
+)
+def test_bad_enqueue_arguments(queue: LeaseQueue, kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        queue.enqueue({"n": 1}, **kwargs)  # type: ignore[arg-type]
+    assert queue.stats().total == 0
+
+
+@pytest.mark.parametrize(
+    "name",
+    ['x"; DROP TABLE y', "Upper", "1starts_with_digit", "a" * 64, "spa ce", "ünï", ""],
+)
+def test_unsafe_schema_names_are_refused(dsn: str, name: str) -> None:
+    with pytest.raises(ConfigurationError, match="schema name .* is not allowed"):
+        LeaseQueue(dsn, schema=name)
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LEASEQUEUE_LEASE_SECONDS", "42.5")
+    monkeypatch.setenv("LEASEQUEUE_SCHEMA_NAME", "jobs")
+    monkeypatch.setenv("LEASEQUEUE_DATA_DIR", str(tmp_path))
+    settings = LeaseQueueSettings()
+    assert (settings.lease_seconds, settings.schema_name, settings.data_dir) == (
+        42.5,
+        "jobs",
+        tmp_path,
+    )
+
+
+def test_settings_from_dotenv(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text("LEASEQUEUE_MAX_ATTEMPTS=9\nOTHER_APP_SETTING=1\n")
+    monkeypatch.chdir(tmp_path)
+    assert LeaseQueueSettings().max_attempts == 9
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("LEASEQUEUE_LEASE_SECONDS", "soon"),
+        ("LEASEQUEUE_LEASE_SECONDS", "-1"),
+        ("LEASEQUEUE_MAX_ATTEMPTS", "0"),
+        ("LEASEQUEUE_POOL_SIZE", "many"),
+        ("LEASEQUEUE_SCHEMA_NAME", "bad-name"),
+        ("LEASEQUEUE_CONNECT_TIMEOUT", "0"),
+    ],
+)
+def test_bad_settings_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigurationError, match=variable) as raised:
+        LeaseQueueSettings()
+    assert repr(value) in str(raised.value)
