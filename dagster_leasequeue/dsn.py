@@ -43,8 +43,8 @@ def describe(dsn: str) -> str:
         params = conninfo_to_dict(dsn)
     except Exception as exc:
         raise ConfigurationError(
-            f"the DSN is not a valid PostgreSQL connection string ({redact(str(exc).strip(), dsn)}); "
-            "expected for example postgresql://user:password@host:5432/dbname"
+            "the DSN is not a valid PostgreSQL connection string "
+            f"({redact(str(exc).strip(), dsn)}); expected for example postgresql://user:password@host:5432/dbname"
         ) from None
     host = str(params.get("host") or "localhost")
     port = str(params.get("port") or "5432")

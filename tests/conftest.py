@@ -1,4 +1,4 @@
-"""Fixtures: a real PostgreSQL (LEASEQUEUE_TEST_DSN, else the embedded server), one schema per test."""
+"""Fixtures: a real PostgreSQL (LEASEQUEUE_TEST_DSN, else embedded), one schema per test."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def test_bad_enqueue_arguments(queue: LeaseQueue, kwargs: dict[str, object], mes
     ['x"; DROP TABLE y', "Upper", "1starts_with_digit", "a" * 64, "spa ce", "ünï", ""],
 )
 def test_unsafe_schema_names_are_refused(dsn: str, name: str) -> None:
-    with pytest.raises(ConfigurationError, match="schema name .* is not allowed"):
+    with pytest.raises(ConfigurationError, match=r"schema name .* is not allowed"):
         LeaseQueue(dsn, schema=name)
 
 

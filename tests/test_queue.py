@@ -167,7 +167,7 @@ def test_cancel(queue: LeaseQueue) -> None:
 
 def test_retry_dead_gives_a_fresh_budget(queue: LeaseQueue) -> None:
     a = queue.enqueue({"n": 1}, max_attempts=1, queue="q1")
-    b = queue.enqueue({"n": 2}, max_attempts=1, queue="q2")
+    queue.enqueue({"n": 2}, max_attempts=1, queue="q2")
     for name in ("q1", "q2"):
         lease = queue.claim(queue=name)
         assert lease is not None
