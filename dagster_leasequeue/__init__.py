@@ -5,6 +5,9 @@ The core queue (:class:`LeaseQueue`) needs only psycopg. The Dagster layer
 imported on first use, so a plain worker process never pays for importing Dagster.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from dagster_leasequeue.attempts import Attempt as Attempt
 from dagster_leasequeue.errors import (
     ConfigurationError as ConfigurationError,
@@ -26,3 +29,51 @@ from dagster_leasequeue.models import (
 from dagster_leasequeue.queue import LeaseQueue as LeaseQueue
 from dagster_leasequeue.settings import LeaseQueueSettings as LeaseQueueSettings
 from dagster_leasequeue.version import __version__ as __version__
+
+if TYPE_CHECKING:
+    from dagster_leasequeue.resource import LeaseQueueResource as LeaseQueueResource
+    from dagster_leasequeue.sensors import (
+        build_sweeper_sensor as build_sweeper_sensor,
+        queue_asset_key as queue_asset_key,
+        queue_asset_specs as queue_asset_specs,
+    )
+
+# The Dagster layer, imported on first use: a worker that only needs the queue skips Dagster.
+_DAGSTER_EXPORTS = {
+    "LeaseQueueResource": "dagster_leasequeue.resource",
+    "build_sweeper_sensor": "dagster_leasequeue.sensors",
+    "queue_asset_key": "dagster_leasequeue.sensors",
+    "queue_asset_specs": "dagster_leasequeue.sensors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _DAGSTER_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dagster_leasequeue' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "Attempt",
+    "AttemptRecord",
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "Lease",
+    "LeaseLost",
+    "LeaseQueue",
+    "LeaseQueueError",
+    "LeaseQueueResource",
+    "LeaseQueueSettings",
+    "PayloadError",
+    "QueueStats",
+    "RecoveredTask",
+    "RecoveryEvent",
+    "SchemaNotInstalled",
+    "TaskInfo",
+    "TaskNotFound",
+    "__version__",
+    "build_sweeper_sensor",
+    "queue_asset_key",
+    "queue_asset_specs",
+]

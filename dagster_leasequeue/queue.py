@@ -8,6 +8,7 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
 from datetime import datetime
 from types import TracebackType
 from typing import Any
@@ -291,15 +292,32 @@ class LeaseQueue:
 
     def stats(self, queue: str | None = None) -> QueueStats:
         """Counts per status (every status, zeros included) for one queue or all of them."""
+        per_queue = self._stats_rows(queue)
+        counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
+        ages = []
+        for stats in per_queue.values():
+            for status, count in stats.counts.items():
+                counts[status] += count
+            if stats.oldest_enqueued_seconds is not None:
+                ages.append(stats.oldest_enqueued_seconds)
+        return QueueStats(
+            queue=queue, counts=counts, oldest_enqueued_seconds=max(ages, default=None)
+        )
+
+    def stats_by_queue(self) -> dict[str, QueueStats]:
+        """:meth:`stats` for every queue that holds tasks, in one query."""
+        return self._stats_rows(None)
+
+    def _stats_rows(self, queue: str | None) -> dict[str, QueueStats]:
         with self._connection() as conn:
             rows = conn.execute(self._sql(sql.STATS), {"queue": queue}).fetchall()
-        counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
-        oldest: float | None = None
-        for _queue, status, count, age in rows:
-            counts[status] += int(count)
+        per_queue: dict[str, QueueStats] = {}
+        for name, status, count, age in rows:
+            stats = per_queue.setdefault(name, QueueStats(queue=name))
+            stats.counts[status] = int(count)
             if age is not None:
-                oldest = max(float(age), oldest or 0.0)
-        return QueueStats(queue=queue, counts=counts, oldest_enqueued_seconds=oldest)
+                per_queue[name] = replace(stats, oldest_enqueued_seconds=float(age))
+        return dict(sorted(per_queue.items()))
 
     def queues(self) -> list[str]:
         """The names of the queues that hold tasks."""
@@ -357,7 +375,7 @@ class LeaseQueue:
             lease.raise_if_lost()
         worker = worker_id or (lease.worker_id if lease else None) or self.default_worker_id
         with (
-            self._borrow() as conn,
+            self.connection() as conn,
             run_attempt(
                 conn,
                 schema=self.schema,
@@ -385,8 +403,11 @@ class LeaseQueue:
             yield conn
 
     @contextmanager
-    def _borrow(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection lent to caller code, whose own errors pass through untouched."""
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """Lend a pooled autocommit connection for your own SQL (tables beside the queue, say).
+
+        Errors of your statements pass through as psycopg raised them.
+        """
         with self._errors():
             conn = self._pool.getconn()
         try:

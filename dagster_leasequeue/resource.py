@@ -1,0 +1,229 @@
+"""The Dagster resource: a LeaseQueue whose pool lives as long as the run or the tick."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import dagster as dg
+from dagster._core.libraries import DagsterLibraryRegistry
+from pydantic import Field, PrivateAttr
+
+from .attempts import Attempt
+from .lease import Lease
+from .models import QueueStats, RecoveredTask, RecoveryEvent, TaskInfo
+from .queue import LeaseQueue
+from .settings import LeaseQueueSettings
+from .version import __version__
+
+DagsterLibraryRegistry.register("dagster-leasequeue", __version__, is_dagster_package=False)
+
+
+class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
+    """A durable task queue in PostgreSQL for ops, assets and sensors.
+
+    Every field left unset falls back to the ``LEASEQUEUE_*`` environment settings; with no
+    DSN anywhere, an embedded PostgreSQL is started. Claims made in a run record a worker id
+    naming the run and step, so the database shows which run holds each lease.
+
+    Example:
+        .. code-block:: python
+
+            import dagster as dg
+            from dagster_leasequeue import LeaseQueueResource
+
+            @dg.op
+            def work(leasequeue: LeaseQueueResource) -> None:
+                while (lease := leasequeue.claim()) is not None:
+                    with lease, leasequeue.attempt(lease=lease) as attempt:
+                        if not attempt.duplicate:
+                            handle(lease.payload, attempt.connection)
+
+            defs = dg.Definitions(
+                jobs=[dg.job(work)],
+                resources={"leasequeue": LeaseQueueResource(dsn=dg.EnvVar("LEASEQUEUE_DSN"))},
+            )
+    """
+
+    dsn: str | None = Field(
+        default=None,
+        description=(
+            "PostgreSQL connection string; pass dg.EnvVar('LEASEQUEUE_DSN') so the password "
+            "never appears in the Dagster UI. Unset: LEASEQUEUE_DSN, else the embedded server."
+        ),
+    )
+    schema_name: str | None = Field(
+        default=None, description="Schema of the queue's tables (default: leasequeue)."
+    )
+    queue: str = Field(
+        default="default", description="Queue used by claim and enqueue unless told otherwise."
+    )
+    lease_seconds: float | None = Field(
+        default=None, description="Default lease of a claim in seconds (default: 300)."
+    )
+    max_attempts: int | None = Field(
+        default=None, description="Default number of claims before a task is dead (default: 5)."
+    )
+    pool_size: int | None = Field(
+        default=None, description="Largest number of pooled connections (default: 4)."
+    )
+    install_schema: bool = Field(
+        default=True,
+        description=(
+            "Create or migrate the schema when the resource starts. Turn off for a role "
+            "without DDL rights once the schema is installed."
+        ),
+    )
+
+    _queue: LeaseQueue | None = PrivateAttr(default=None)
+    _run_worker_id: str | None = PrivateAttr(default=None)
+
+    @classmethod
+    def _is_dagster_maintained(cls) -> bool:
+        return False
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        if context.run_id:
+            self._run_worker_id = f"dagster-run:{context.run_id}"
+        self.get_queue()
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        queue, self._queue = self._queue, None
+        if queue is not None:
+            queue.close()
+
+    def settings(self) -> LeaseQueueSettings:
+        """The effective settings: this resource's fields over the ``LEASEQUEUE_*`` environment."""
+        overrides: dict[str, Any] = {
+            name: value
+            for name, value in {
+                "dsn": self.dsn,
+                "schema_name": self.schema_name,
+                "lease_seconds": self.lease_seconds,
+                "max_attempts": self.max_attempts,
+                "pool_size": self.pool_size,
+            }.items()
+            if value is not None
+        }
+        return LeaseQueueSettings(**overrides)
+
+    def get_queue(self) -> LeaseQueue:
+        """The underlying :class:`LeaseQueue`, opened on first use."""
+        if self._queue is None:
+            queue = LeaseQueue.from_settings(self.settings())
+            try:
+                if self.install_schema:
+                    queue.install()
+            except BaseException:
+                queue.close()
+                raise
+            self._queue = queue
+        return self._queue
+
+    # -- delegation ------------------------------------------------------------------------
+
+    def worker_id(self) -> str:
+        """Who is claiming: the run and step when called in a run, else host and process."""
+        where = f"{socket.gethostname()}:{os.getpid()}"
+        try:
+            context = dg.OpExecutionContext.get()
+        except dg.DagsterInvariantViolationError:
+            context = None
+        if context is not None:
+            step_key = context.get_step_execution_context().step.key
+            return f"dagster-run:{context.run_id}:{step_key}@{where}"
+        if self._run_worker_id:
+            return f"{self._run_worker_id}@{where}"
+        return where
+
+    def claim(
+        self, *, queue: str | None = None, lease_seconds: float | None = None
+    ) -> Lease | None:
+        """Claim the next due task of ``queue`` (default: this resource's queue)."""
+        return self.get_queue().claim(
+            queue=queue or self.queue, worker_id=self.worker_id(), lease_seconds=lease_seconds
+        )
+
+    def claim_many(
+        self, limit: int, *, queue: str | None = None, lease_seconds: float | None = None
+    ) -> list[Lease]:
+        """Claim up to ``limit`` due tasks of ``queue`` (default: this resource's queue)."""
+        return self.get_queue().claim_many(
+            limit,
+            queue=queue or self.queue,
+            worker_id=self.worker_id(),
+            lease_seconds=lease_seconds,
+        )
+
+    def enqueue(
+        self,
+        payload: Mapping[str, Any],
+        *,
+        queue: str | None = None,
+        priority: int = 0,
+        run_at: datetime | None = None,
+        delay: float | None = None,
+        idempotency_key: str | None = None,
+        max_attempts: int | None = None,
+        lease_seconds: float | None = None,
+    ) -> int:
+        """Add a task; see :meth:`LeaseQueue.enqueue`."""
+        return self.get_queue().enqueue(
+            payload,
+            queue=queue or self.queue,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            idempotency_key=idempotency_key,
+            max_attempts=max_attempts,
+            lease_seconds=lease_seconds,
+        )
+
+    def enqueue_many(
+        self,
+        payloads: Iterable[Mapping[str, Any]],
+        *,
+        queue: str | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+    ) -> list[int]:
+        """Add many tasks in one statement; see :meth:`LeaseQueue.enqueue_many`."""
+        return self.get_queue().enqueue_many(
+            payloads, queue=queue or self.queue, priority=priority, max_attempts=max_attempts
+        )
+
+    @contextmanager
+    def attempt(self, key: str | None = None, *, lease: Lease | None = None) -> Iterator[Attempt]:
+        """Record an attempt and skip duplicate work; see :meth:`LeaseQueue.attempt`."""
+        with self.get_queue().attempt(key, lease=lease, worker_id=self.worker_id()) as attempt:
+            yield attempt
+
+    def sweep(self, *, limit: int | None = None) -> list[RecoveredTask]:
+        """Recover expired leases in every queue; see :meth:`LeaseQueue.sweep`."""
+        return self.get_queue().sweep(limit=limit)
+
+    def recovery_events(self, after_id: int = 0, *, limit: int = 1000) -> list[RecoveryEvent]:
+        """Recovery events after ``after_id``; see :meth:`LeaseQueue.recovery_events`."""
+        return self.get_queue().recovery_events(after_id, limit=limit)
+
+    def stats(self, queue: str | None = None) -> QueueStats:
+        """Counts per status for one queue, or all queues when ``queue`` is None."""
+        return self.get_queue().stats(queue)
+
+    def get(self, task_id: int) -> TaskInfo:
+        """The task with this id."""
+        return self.get_queue().get(task_id)
+
+    def cancel(self, task_id: int) -> bool:
+        """Cancel a task not yet finished."""
+        return self.get_queue().cancel(task_id)
+
+    def retry_dead(self, task_ids: Iterable[int] | None = None, *, queue: str | None = None) -> int:
+        """Enqueue dead tasks again with a fresh budget of attempts."""
+        return self.get_queue().retry_dead(task_ids, queue=queue)

@@ -1,0 +1,1 @@
+"""An example Dagster project: summarising documents of very different sizes through a lease queue."""

@@ -1,0 +1,94 @@
+"""The example's Dagster definitions: load them with ``dagster dev -w workspace.yaml``.
+
+The resource reads every setting from the ``LEASEQUEUE_*`` environment (``LEASEQUEUE_DSN``,
+``LEASEQUEUE_SCHEMA_NAME``, ``LEASEQUEUE_LEASE_SECONDS``, ...) and starts an embedded
+PostgreSQL when no DSN is set.
+"""
+
+import dagster as dg
+
+from dagster_leasequeue import LeaseQueueResource, build_sweeper_sensor, queue_asset_specs
+from example_repo.documents import DOCUMENTS, create_results_table, summarise, write_summary
+
+QUEUE = "documents"
+
+
+class EnqueueConfig(dg.Config):
+    copies: int = 1
+    """How many times to enqueue the document set (each copy under its own keys)."""
+
+
+class ProcessConfig(dg.Config):
+    page_seconds: float = 0.02
+    """Simulated reading time per page: a 200-page contract takes 200 times this."""
+    max_tasks: int = 0
+    """Stop after this many tasks (0: until the queue is empty)."""
+
+
+@dg.op
+def enqueue_documents_op(
+    context: dg.OpExecutionContext, config: EnqueueConfig, leasequeue: LeaseQueueResource
+) -> list[int]:
+    """Enqueue the documents; a document already waiting or in progress is not added twice."""
+    ids = []
+    for copy in range(config.copies):
+        for document in DOCUMENTS:
+            key = document["document"] if copy == 0 else f"{document['document']}#{copy}"
+            ids.append(leasequeue.enqueue(document, idempotency_key=key))
+    context.log.info(f"enqueued {len(ids)} documents: task ids {ids}")
+    return ids
+
+
+@dg.op
+def process_documents_op(
+    context: dg.OpExecutionContext, config: ProcessConfig, leasequeue: LeaseQueueResource
+) -> dict[str, int]:
+    """Claim and summarise documents until the queue is empty.
+
+    Each summary is written through an attempt: the row, the attempt's success mark and
+    the task's ack commit together, so a run after a crash writes every summary once. The
+    lease renews itself while a long document is read; if it is lost anyway, the work stops.
+    """
+    queue = leasequeue.get_queue()
+    with queue.connection() as conn:
+        create_results_table(conn, queue.schema)
+    processed = skipped = 0
+    while config.max_tasks == 0 or processed + skipped < config.max_tasks:
+        lease = leasequeue.claim()
+        if lease is None:
+            break
+        document = lease.payload
+        with lease, leasequeue.attempt(lease=lease) as attempt:
+            if attempt.duplicate:
+                skipped += 1
+                context.log.info(f"{document['document']}: already summarised, skipped")
+                continue
+            words = summarise(document, config.page_seconds, lease.raise_if_lost)
+            write_summary(
+                attempt.connection, queue.schema, document, words, lease.task_id, lease.worker_id
+            )
+            attempt.result = {"words": words}
+            processed += 1
+            context.log.info(
+                f"{document['document']}: {document['pages']} pages, {words} words "
+                f"(task {lease.task_id}, attempt {lease.attempt})"
+            )
+    return {"processed": processed, "skipped": skipped}
+
+
+@dg.job(description="Enqueue the example documents.")
+def enqueue_documents() -> None:
+    enqueue_documents_op()
+
+
+@dg.job(description="Claim and summarise documents until the queue is empty.")
+def process_documents() -> None:
+    process_documents_op()
+
+
+defs = dg.Definitions(
+    jobs=[enqueue_documents, process_documents],
+    assets=queue_asset_specs([QUEUE]),
+    sensors=[build_sweeper_sensor(minimum_interval_seconds=15)],
+    resources={"leasequeue": LeaseQueueResource(queue=QUEUE)},
+)
