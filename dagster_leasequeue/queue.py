@@ -290,6 +290,22 @@ class LeaseQueue:
             raise TaskNotFound(f"no task with id {task_id} in schema {self.schema!r}")
         return TaskInfo(*row)
 
+    def list_tasks(
+        self,
+        *,
+        status: str | None = None,
+        queue: str | None = None,
+        after_id: int = 0,
+        limit: int = 100,
+    ) -> list[TaskInfo]:
+        """Tasks in id order, filtered by status and queue; page on with ``after_id``."""
+        if status is not None and status not in STATUSES:
+            raise ConfigurationError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        params = {"status": status, "queue": queue, "after_id": after_id, "limit": limit}
+        with self._connection() as conn:
+            rows = conn.execute(self._sql(sql.LIST_TASKS), params).fetchall()
+        return [TaskInfo(*row) for row in rows]
+
     def stats(self, queue: str | None = None) -> QueueStats:
         """Counts per status (every status, zeros included) for one queue or all of them."""
         per_queue = self._stats_rows(queue)

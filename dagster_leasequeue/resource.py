@@ -89,8 +89,12 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     # -- life cycle ------------------------------------------------------------------------
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        if context.run_id:
-            self._run_worker_id = f"dagster-run:{context.run_id}"
+        # InitResourceContext.run replaced dagster_run in Dagster 1.11.
+        run = (
+            getattr(context, "run", None) if hasattr(type(context), "run") else context.dagster_run
+        )
+        if run is not None:
+            self._run_worker_id = f"dagster-run:{run.run_id}"
         self.get_queue()
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:

@@ -296,6 +296,18 @@ GET_TASK = """
     FROM {schema}.tasks WHERE id = %(task_id)s
 """
 
+LIST_TASKS = """
+    SELECT id, queue, status, priority, attempts, max_attempts, payload, result, last_error,
+           idempotency_key, run_at, lease_expires_at, worker_id, created_at, updated_at,
+           finished_at
+    FROM {schema}.tasks
+    WHERE id > %(after_id)s
+      AND (%(status)s::text IS NULL OR status = %(status)s)
+      AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+    ORDER BY id
+    LIMIT %(limit)s
+"""
+
 STATS = """
     SELECT queue, status, count(*),
            extract(epoch FROM clock_timestamp()

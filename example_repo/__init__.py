@@ -1,1 +1,1 @@
-"""An example Dagster project: summarising documents of very different sizes through a lease queue."""
+"""An example Dagster project: summarising documents of very different sizes via a queue."""

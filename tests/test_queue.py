@@ -212,3 +212,16 @@ def test_a_newer_schema_is_refused(queue: LeaseQueue) -> None:
     run_sql(queue, "INSERT INTO {schema}.schema_version VALUES (99, 'future')")
     with pytest.raises(ConfigurationError, match="upgrade dagster-leasequeue"):
         queue.install()
+
+
+def test_list_tasks_filters_and_pages(queue: LeaseQueue) -> None:
+    ids = queue.enqueue_many([{"n": n} for n in range(5)])
+    queue.enqueue({"n": 9}, queue="other")
+    queue.claim()
+    assert [t.task_id for t in queue.list_tasks(status="processing")] == [ids[0]]
+    first_page = queue.list_tasks(queue="default", limit=2)
+    assert [t.task_id for t in first_page] == ids[:2]
+    next_page = queue.list_tasks(queue="default", after_id=first_page[-1].task_id, limit=10)
+    assert [t.task_id for t in next_page] == ids[2:]
+    with pytest.raises(ConfigurationError, match="status must be one of"):
+        queue.list_tasks(status="running")
