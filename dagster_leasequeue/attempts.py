@@ -1,10 +1,12 @@
 """Attempts: the idempotency table that makes an effect, its record and the ack one commit.
 
-An attempt holds a session advisory lock on its key, so two workers with the same key (a
-zombie and its replacement, say) take turns; the unique index on successful keys is the
-last word even if they did not. Each attempt is first recorded as ``running`` in its own
-commit, so an attempt whose process dies stays visible; the next attempt for the key marks
-it ``abandoned``.
+Each attempt is first recorded as ``running`` in a commit of its own, so an attempt whose
+process dies stays visible; the next attempt for the key marks it ``abandoned``. The work
+then runs in one transaction that ends by marking the key ``succeeded`` and, with a lease,
+by the fenced ack. A unique index allows one success per key: when two attempts of a key
+run at once (a paused zombie and its replacement, say), the one that commits second finds
+the key taken, rolls its effects back and reports a duplicate. No lock is held across the
+work, so a paused process never holds its replacement up.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import psycopg
+from psycopg import errors as pg_errors
 
 from . import sql
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError
@@ -65,6 +68,10 @@ def attempt_key(key: str | None, lease: Lease | None) -> str:
     return lease.idempotency_key or f"{lease.queue}:{lease.task_id}"
 
 
+class _SucceededElsewhere(Exception):
+    """Another attempt of the key committed its success first."""
+
+
 @contextmanager
 def run_attempt(
     conn: psycopg.Connection[Any],
@@ -75,45 +82,103 @@ def run_attempt(
     worker_id: str,
     errors: Callable[[], AbstractContextManager[None]],
     encode_result: Callable[[dict[str, Any] | None], str | None],
+    idle_timeout: float,
 ) -> Iterator[Attempt]:
-    """The attempt's life on one autocommit connection; see :meth:`LeaseQueue.attempt`."""
-    lock_params = {"namespace": sql.ADVISORY_NAMESPACE, "schema": schema, "key": key}
+    """The attempt's life on one autocommit connection; see :meth:`LeaseQueue.attempt`.
+
+    The transaction begins with the first statement run on ``attempt.connection`` (or with
+    the success mark), so work done before writing holds no lock. A session left idle in
+    that transaction for ``idle_timeout`` seconds (a paused process) is ended by the server,
+    releasing whatever rows it locked for the worker that took its place.
+    """
     with errors():
-        conn.execute(sql.LOCK_ATTEMPT_KEY, lock_params)
+        row = conn.execute(
+            sql.compose(sql.BEGIN_ATTEMPT, schema),
+            {"key": key, "task_id": lease.task_id if lease else None, "worker_id": worker_id},
+        ).fetchone()
+        conn.execute(sql.SET_IDLE_TIMEOUT, {"milliseconds": str(int(idle_timeout * 1000))})
+    assert row is not None
+    attempt = Attempt(
+        key=key,
+        attempt_id=row[0],
+        number=row[1],
+        duplicate=row[2],
+        result=row[3],
+        abandoned=row[4],
+        connection=conn,
+    )
     try:
-        with errors():
-            row = conn.execute(
-                sql.compose(sql.BEGIN_ATTEMPT, schema),
-                {"key": key, "task_id": lease.task_id if lease else None, "worker_id": worker_id},
-            ).fetchone()
-        assert row is not None
-        attempt = Attempt(
-            key=key,
-            attempt_id=row[0],
-            number=row[1],
-            duplicate=row[2],
-            result=row[3],
-            abandoned=row[4],
-            connection=conn,
-        )
+        conn.autocommit = False
         try:
-            with conn.transaction():
-                yield attempt
-                encoded = encode_result(attempt.result)
+            yield attempt
+            encoded = encode_result(attempt.result)
+            if not attempt.duplicate:
+                _mark_succeeded(conn, schema, attempt, encoded, errors)
+            if lease is not None:
                 with errors():
-                    if not attempt.duplicate:
-                        _finish(conn, schema, attempt, "succeeded", None, encoded)
-                    if lease is not None:
-                        lease.ack_on(conn, encoded)
-        except BaseException as exc:
-            _record_failure(conn, schema, attempt, exc, errors)
-            if lease is not None and not isinstance(exc, LeaseLost):
-                _fail_lease(lease, exc)
+                    lease.ack_on(conn, encoded)
+            with errors():
+                conn.commit()
+        except BaseException:
+            _rollback(conn)
             raise
+        finally:
+            if not conn.closed:
+                conn.autocommit = True
+    except _SucceededElsewhere:
+        _adopt_success(conn, schema, attempt, lease, errors, encode_result)
+    except BaseException as exc:
+        _record_failure(conn, schema, attempt, exc, errors)
+        if lease is not None and not isinstance(exc, LeaseLost):
+            _fail_lease(conn, lease, exc, errors)
+        raise
+    if lease is not None:
+        lease.mark_acked()
+
+
+def _rollback(conn: psycopg.Connection[Any]) -> None:
+    if conn.closed or conn.broken:
+        return
+    try:
+        conn.rollback()
+    except psycopg.Error:
+        conn.close()
+
+
+def _mark_succeeded(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    attempt: Attempt,
+    encoded_result: str | None,
+    errors: Callable[[], AbstractContextManager[None]],
+) -> None:
+    try:
+        _finish(conn, schema, attempt, "succeeded", None, encoded_result)
+    except pg_errors.UniqueViolation:
+        raise _SucceededElsewhere() from None
+    except psycopg.Error:
+        with errors():
+            raise
+
+
+def _adopt_success(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    attempt: Attempt,
+    lease: Lease | None,
+    errors: Callable[[], AbstractContextManager[None]],
+    encode_result: Callable[[dict[str, Any] | None], str | None],
+) -> None:
+    """The key succeeded elsewhere while this attempt ran: it becomes a duplicate."""
+    with errors():
+        row = conn.execute(
+            sql.compose(sql.SUCCESS_FOR_KEY, schema), {"key": attempt.key}
+        ).fetchone()
+        attempt.duplicate = True
+        attempt.result = row[0] if row else None
+        _finish(conn, schema, attempt, "skipped", None, None)
         if lease is not None:
-            lease.mark_acked()
-    finally:
-        _unlock(conn, lock_params)
+            lease.ack_on(conn, encode_result(attempt.result))
 
 
 def _finish(
@@ -146,17 +211,17 @@ def _record_failure(
         logger.warning("could not record the failed attempt %s: %s", attempt.id, record_error)
 
 
-def _fail_lease(lease: Lease, exc: BaseException) -> None:
+def _fail_lease(
+    conn: psycopg.Connection[Any],
+    lease: Lease,
+    exc: BaseException,
+    errors: Callable[[], AbstractContextManager[None]],
+) -> None:
+    # On this connection, idle since the rollback: the pool may have no other to lend.
+    if conn.closed or conn.broken:
+        return
     try:
-        lease.fail(exc)
+        with errors():
+            lease.fail_on(conn, exc)
     except LeaseQueueError as fail_error:
         logger.warning("could not fail task %s: %s", lease.task_id, fail_error)
-
-
-def _unlock(conn: psycopg.Connection[Any], lock_params: dict[str, Any]) -> None:
-    if conn.closed or conn.broken:
-        return  # the session, and its lock, are gone
-    try:
-        conn.execute(sql.UNLOCK_ATTEMPT_KEY, lock_params)
-    except psycopg.Error as exc:
-        logger.warning("could not release an attempt lock: %s", type(exc).__name__)

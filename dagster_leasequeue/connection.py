@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -60,6 +62,11 @@ def database_errors(dsn: str, schema: str) -> Iterator[None]:
         yield
     except (pg_errors.UndefinedTable, pg_errors.InvalidSchemaName):
         raise not_installed(schema) from None
+    except pg_errors.IdleInTransactionSessionTimeout:
+        raise LeaseQueueError(
+            "the server ended this attempt's transaction: it sat idle for longer than the "
+            "lease (was the process paused?); nothing in it was written"
+        ) from None
     except PoolTimeout as exc:
         raise DatabaseUnavailable(
             f"no database connection available from the pool for {describe(dsn)}: "
@@ -74,3 +81,32 @@ def database_errors(dsn: str, schema: str) -> Iterator[None]:
         raise LeaseQueueError(
             f"database error ({type(exc).__name__}): {redact(str(exc).strip(), dsn)}"
         ) from None
+
+
+class SharedConnection:
+    """One autocommit connection shared by threads for short statements, opened on first use.
+
+    It is reopened when found closed or broken, so a restarted server costs one failed
+    statement, not a stuck worker.
+    """
+
+    def __init__(self, dsn: str, *, connect_timeout: float) -> None:
+        self._dsn = dsn
+        self._timeout = max(2, math.ceil(connect_timeout))
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+
+    @contextmanager
+    def use(self) -> Iterator[psycopg.Connection[Any]]:
+        with self._lock:
+            if self._conn is None or self._conn.closed or self._conn.broken:
+                self._conn = psycopg.connect(
+                    self._dsn, autocommit=True, connect_timeout=self._timeout
+                )
+            yield self._conn
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None

@@ -8,7 +8,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 from .errors import ConfigurationError
 
-_URL_PASSWORD = re.compile(r"(?P<scheme>postgres(?:ql)?://[^:/@?#]*):(?P<password>[^@/?#]*)@")
+# Greedy to the last '@' of the URL: an unencoded '@' in a password stays hidden too.
+_URL_PASSWORD = re.compile(r"(?P<scheme>postgres(?:ql)?://[^:/@?#\s]*):(?P<password>\S*)@")
 _KEYWORD_PASSWORD = re.compile(r"(?P<key>\bpassword\s*=\s*)(?P<password>'(?:[^'\\]|\\.)*'|\S+)")
 
 
@@ -39,6 +40,7 @@ def _password_of(dsn: str) -> str | None:
 
 def describe(dsn: str) -> str:
     """A short, password-free description of where a DSN points: ``host:port/dbname``."""
+    _refuse_unencoded_url_password(dsn)
     try:
         params = conninfo_to_dict(dsn)
     except Exception as exc:
@@ -51,3 +53,20 @@ def describe(dsn: str) -> str:
     dbname = str(params.get("dbname") or params.get("user") or "")
     where = f"socket {host}" if host.startswith("/") else f"{host}:{port}"
     return f"{where}/{dbname}" if dbname else where
+
+
+def _refuse_unencoded_url_password(dsn: str) -> None:
+    """Refuse a URL whose user part holds a raw '@' or '/'.
+
+    libpq would split such a URL at the wrong place and take the rest of the password for
+    the host or database name, which then shows up in every error message.
+    """
+    scheme, separator, rest = dsn.partition("://")
+    if not separator or scheme not in ("postgres", "postgresql") or "@" not in rest:
+        return
+    userinfo = rest[: rest.rindex("@")]
+    if "@" in userinfo or "/" in userinfo:
+        raise ConfigurationError(
+            "the DSN's user or password holds '@' or '/': percent-encode them in a URL "
+            "(@ as %40, / as %2F), or use the key=value form (password='...')"
+        )

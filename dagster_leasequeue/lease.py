@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -53,6 +54,7 @@ class Lease:
         worker_id: str | None,
         idempotency_key: str | None,
         lease_seconds: float,
+        claimed_at: float,
     ) -> None:
         self._queue = queue
         self.task_id = task_id
@@ -70,6 +72,9 @@ class Lease:
         self._outcome: str | None = None
         self._lost = threading.Event()
         self._renewer: _Renewer | None = None
+        # The lease's end on this machine's monotonic clock, counted from before the claim
+        # or renewal was sent, so never later than the database's own expiry.
+        self._local_deadline = claimed_at + lease_seconds
 
     def __repr__(self) -> str:
         return (
@@ -103,10 +108,9 @@ class Lease:
     def ack(self, result: dict[str, Any] | None = None) -> None:
         """Mark the task done, storing ``result``; raise LeaseLost if the lease is gone."""
         encoded = self._queue._encode_result(result)
-        with self._lock:
+        with self._queue._connection() as conn, self._lock:
             self._refuse_if_finished("ack")
-            with self._queue._connection() as conn:
-                self.ack_on(conn, encoded)
+            self.ack_on(conn, encoded)
             self._outcome = "acked"
 
     def ack_on(self, conn: psycopg.Connection[Any], encoded_result: str | None) -> None:
@@ -131,17 +135,26 @@ class Lease:
         jitter (``retry_in`` overrides it; 0 means at once); with none left it is ``dead``.
         The error's text is kept in ``last_error``.
         """
-        message = _describe_error(error)
-        delay = self._queue._retry_delay(self.attempt) if retry_in is None else float(retry_in)
-        if delay < 0:
+        if retry_in is not None and not retry_in >= 0:
             raise ValueError(f"retry_in must be 0 or more seconds, got {retry_in!r}")
-        params = self._fence_params() | {"error": message, "retry_in": delay}
+        with self._queue._connection() as conn:
+            return self.fail_on(conn, error, retry_in=retry_in)
+
+    def fail_on(
+        self,
+        conn: psycopg.Connection[Any],
+        error: str | BaseException,
+        *,
+        retry_in: float | None = None,
+    ) -> str:
+        """:meth:`fail` on a given autocommit connection (an attempt's, after its rollback)."""
+        delay = self._queue._retry_delay(self.attempt) if retry_in is None else float(retry_in)
+        params = self._fence_params() | {"error": _describe_error(error), "retry_in": delay}
         with self._lock:
             self._refuse_if_finished("fail")
-            with self._queue._connection() as conn:
-                row = conn.execute(self._statement(sql.FAIL), params).fetchone()
-                if row is None:
-                    self._raise_lost(conn, "fail")
+            row = conn.execute(self._statement(sql.FAIL), params).fetchone()
+            if row is None:
+                self._raise_lost(conn, "fail")
             self._outcome = "failed"
         return str(row[0])
 
@@ -150,15 +163,19 @@ class Lease:
         seconds = self.lease_seconds if lease_seconds is None else float(lease_seconds)
         if seconds <= 0:
             raise ValueError(f"lease_seconds must be more than 0, got {lease_seconds!r}")
+        params = self._fence_params() | {"lease_seconds": seconds}
         with self._lock:
             self._refuse_if_finished("renew")
-            with self._queue._connection() as conn:
-                params = self._fence_params() | {"lease_seconds": seconds}
+            sent = time.monotonic()
+            # Renewals have a connection of their own: a worker whose pooled connections
+            # are all busy (an attempt holds one) must still keep its leases.
+            with self._queue._renewal_connection() as conn:
                 row = conn.execute(self._statement(sql.RENEW), params).fetchone()
                 if row is None:
                     self._raise_lost(conn, "renew")
             self.expires_at = row[0]
             self.lease_seconds = seconds
+            self._local_deadline = sent + seconds
         return self.expires_at
 
     # -- context manager -------------------------------------------------------------------
@@ -240,6 +257,8 @@ class _Renewer(threading.Thread):
     def run(self) -> None:
         lease = self._lease
         while not self._stopped.wait(lease.lease_seconds * RENEW_FRACTION):
+            if lease._queue.closed:
+                return
             try:
                 lease.renew()
             except LeaseLost:
@@ -256,6 +275,11 @@ class _Renewer(threading.Thread):
             except LeaseQueueError as exc:
                 # The database may be restarting: keep trying until the lease runs out.
                 logger.warning("could not renew the lease on task %s: %s", lease.task_id, exc)
+                if time.monotonic() >= lease._local_deadline:
+                    # Unrenewed past its end, the lease may be swept and claimed elsewhere.
+                    logger.warning("lease on task %s lapsed; the worker should stop", lease.task_id)
+                    lease._lost.set()
+                    return
 
     @staticmethod
     def _concluded(lease: Lease) -> bool:

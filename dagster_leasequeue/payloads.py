@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from .errors import PayloadError
+
+# A NUL character as json.dumps writes it: \u0000 after an even number of backslashes
+# (an odd number means the backslash itself was escaped: the text "\\u0000" is fine).
+_ENCODED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def encode_object(value: Any, *, what: str, max_bytes: int) -> str:
@@ -27,7 +32,7 @@ def encode_object(value: Any, *, what: str, max_bytes: int) -> str:
         raise PayloadError(f"{what} is not JSON-serialisable: {exc}") from None
     if not all(isinstance(key, str) for key in value):
         raise PayloadError(f"{what} keys must be strings (JSON object keys)")
-    if "\\u0000" in text:
+    if _ENCODED_NUL.search(text):
         raise PayloadError(f"{what} holds a NUL character (\\u0000), which PostgreSQL refuses")
     size = len(text.encode("utf-8"))
     if size > max_bytes:

@@ -6,6 +6,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
@@ -18,7 +19,7 @@ from psycopg_pool import ConnectionPool
 
 from . import schema as schema_module, sql
 from .attempts import Attempt, attempt_key, run_attempt
-from .connection import database_errors, open_pool
+from .connection import SharedConnection, database_errors, open_pool
 from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, TaskNotFound
@@ -82,6 +83,7 @@ class LeaseQueue:
             connect_timeout=self.settings.connect_timeout,
             name=f"leasequeue-{self.schema}",
         )
+        self._renewals = SharedConnection(dsn, connect_timeout=self.settings.connect_timeout)
         self._closed = threading.Event()
 
     @classmethod
@@ -108,6 +110,12 @@ class LeaseQueue:
         if not self._closed.is_set():
             self._closed.set()
             self._pool.close()
+            self._renewals.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed.is_set()
 
     # -- schema ----------------------------------------------------------------------------
 
@@ -230,6 +238,7 @@ class LeaseQueue:
             "lease_seconds": _check_positive("lease_seconds", lease_seconds),
             "default_lease": self.settings.lease_seconds,
         }
+        sent = time.monotonic()
         with self._connection() as conn:
             rows = conn.execute(self._sql(sql.CLAIM), params).fetchall()
         # UPDATE ... RETURNING gives no order; restore the claim's.
@@ -248,6 +257,7 @@ class LeaseQueue:
                 worker_id=row[9],
                 idempotency_key=row[10],
                 lease_seconds=float(row[11]),
+                claimed_at=sent,
             )
             for row in rows
         ]
@@ -400,6 +410,7 @@ class LeaseQueue:
                 worker_id=worker,
                 errors=self._errors,
                 encode_result=self._encode_result,
+                idle_timeout=max(lease.lease_seconds if lease else self.settings.lease_seconds, 2),
             ) as attempt,
         ):
             yield attempt
@@ -422,14 +433,21 @@ class LeaseQueue:
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """Lend a pooled autocommit connection for your own SQL (tables beside the queue, say).
 
-        Errors of your statements pass through as psycopg raised them.
+        Errors of your statements pass through as psycopg raised them. Settings you change
+        with ``SET`` are reset before the connection goes back to the pool.
         """
         with self._errors():
             conn = self._pool.getconn()
         try:
             yield conn
         finally:
+            _reset_session(conn)
             self._pool.putconn(conn)
+
+    @contextmanager
+    def _renewal_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        with self._errors(), self._renewals.use() as conn:
+            yield conn
 
     def _errors(self) -> AbstractContextManager[None]:
         return database_errors(self._dsn, self.schema)
@@ -506,3 +524,15 @@ def _check_run_at(run_at: datetime | None, delay: float | None) -> datetime | No
             "run_at must be a timezone-aware datetime, for example datetime.now(timezone.utc)"
         )
     return run_at
+
+
+def _reset_session(conn: psycopg.Connection[Any]) -> None:
+    """Undo what caller code may have set on a lent connection (a role, a search path)."""
+    if conn.closed or conn.broken:
+        return
+    try:
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.rollback()
+        conn.execute("RESET ALL")
+    except psycopg.Error:
+        conn.close()  # the pool discards a closed connection

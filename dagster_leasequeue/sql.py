@@ -17,8 +17,10 @@ from typing import NamedTuple
 
 from psycopg import sql
 
-# Namespace for advisory locks taken by this package (first key of the two-key form).
-ADVISORY_NAMESPACE = 0x6C71  # "lq"
+# First keys of the two-key advisory locks this package takes, one per purpose, so that no
+# name a user picks can make two purposes collide.
+INSTALL_LOCK = 0x6C7101
+SWEEP_LOCK = 0x6C7102
 
 
 class Migration(NamedTuple):
@@ -119,6 +121,7 @@ SCHEMA_EXISTS = "SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s"
 VERSION_TABLE_EXISTS = "SELECT to_regclass(%(qualified)s) IS NOT NULL"
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM {schema}.schema_version"
 LOCK_SCHEMA = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s))"
+
 CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {schema}"
 CREATE_VERSION_TABLE = """
     CREATE TABLE IF NOT EXISTS {schema}.schema_version (
@@ -248,7 +251,7 @@ LEASE_STATE = "SELECT status, lease_token FROM {schema}.tasks WHERE id = %(task_
 
 # Serialises sweeps of one schema so recovery events commit in id order: a reader that
 # remembers the last id it saw can never skip an event.
-LOCK_SWEEP = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s || '.sweep'))"
+LOCK_SWEEP = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s))"
 
 SWEEP_BATCH = """
     WITH expired AS (
@@ -330,26 +333,35 @@ CANCEL = """
 
 TASK_EXISTS = "SELECT 1 FROM {schema}.tasks WHERE id = %(task_id)s"
 
+# A dead task whose idempotency key an unfinished task has taken meanwhile stays dead (the
+# key is unique among unfinished tasks); of several dead tasks sharing a key, the newest.
 RETRY_DEAD = """
-    UPDATE {schema}.tasks
+    WITH candidates AS (
+        SELECT DISTINCT ON (d.queue, coalesce(d.idempotency_key, d.id::text)) d.id
+        FROM {schema}.tasks AS d
+        WHERE d.status = 'dead'
+          AND (%(task_ids)s::bigint[] IS NULL OR d.id = ANY(%(task_ids)s::bigint[]))
+          AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
+          AND (d.idempotency_key IS NULL OR NOT EXISTS (
+                SELECT 1 FROM {schema}.tasks AS u
+                WHERE u.queue = d.queue AND u.idempotency_key = d.idempotency_key
+                  AND u.status IN ('enqueued', 'processing')))
+        ORDER BY d.queue, coalesce(d.idempotency_key, d.id::text), d.id DESC
+    )
+    UPDATE {schema}.tasks AS t
     SET status = 'enqueued', attempts = 0, run_at = clock_timestamp(), finished_at = NULL,
         updated_at = clock_timestamp()
-    WHERE status = 'dead'
-      AND (%(task_ids)s::bigint[] IS NULL OR id = ANY(%(task_ids)s::bigint[]))
-      AND (%(queue)s::text IS NULL OR queue = %(queue)s)
-    RETURNING id
+    FROM candidates
+    WHERE t.id = candidates.id AND t.status = 'dead'
+    RETURNING t.id
 """
 
 # -- attempts (the idempotency table) ------------------------------------------------------
 
-LOCK_ATTEMPT_KEY = "SELECT pg_advisory_lock(%(namespace)s, hashtext(%(schema)s || '.' || %(key)s))"
-UNLOCK_ATTEMPT_KEY = (
-    "SELECT pg_advisory_unlock(%(namespace)s, hashtext(%(schema)s || '.' || %(key)s))"
-)
-
-# Runs while this session holds the key's lock, so a row still 'running' belongs to an
-# attempt whose process died: it is marked abandoned. Then the key's first success, if
-# any, and a new row recording this attempt.
+# Rows of the key still 'running' belong to an attempt that died, or to one still under
+# way elsewhere (a zombie and its replacement, say): both are marked abandoned; one that is
+# in fact alive sets its own outcome when it ends. Then the key's success, if any, and a
+# new row recording this attempt.
 BEGIN_ATTEMPT = """
     WITH abandoned AS (
         UPDATE {schema}.attempts SET outcome = 'abandoned', finished_at = clock_timestamp()
@@ -361,9 +373,10 @@ BEGIN_ATTEMPT = """
                (array_agg(result) FILTER (WHERE outcome = 'succeeded'))[1] AS result
         FROM {schema}.attempts WHERE key = %(key)s
     )
-    INSERT INTO {schema}.attempts (key, attempt, task_id, worker_id, outcome)
+    INSERT INTO {schema}.attempts (key, attempt, task_id, worker_id, outcome, finished_at)
     SELECT %(key)s, previous.n + 1, %(task_id)s, %(worker_id)s,
-           CASE WHEN previous.succeeded THEN 'skipped' ELSE 'running' END
+           CASE WHEN previous.succeeded THEN 'skipped' ELSE 'running' END,
+           CASE WHEN previous.succeeded THEN clock_timestamp() END
     FROM previous
     RETURNING id, attempt, outcome = 'skipped',
               (SELECT result FROM previous), (SELECT count(*) FROM abandoned)
@@ -374,6 +387,14 @@ FINISH_ATTEMPT = """
     SET outcome = %(outcome)s, error = %(error)s, result = %(result)s::jsonb,
         finished_at = clock_timestamp()
     WHERE id = %(attempt_id)s
+"""
+
+SET_IDLE_TIMEOUT = (
+    "SELECT set_config('idle_in_transaction_session_timeout', %(milliseconds)s, false)"
+)
+
+SUCCESS_FOR_KEY = """
+    SELECT result FROM {schema}.attempts WHERE key = %(key)s AND outcome = 'succeeded'
 """
 
 ATTEMPTS_FOR_KEY = """

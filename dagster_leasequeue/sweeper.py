@@ -24,7 +24,7 @@ def sweep_expired(
 ) -> list[RecoveredTask]:
     """Recover expired leases batch after batch until none is left or ``limit`` is reached."""
     recovered: list[RecoveredTask] = []
-    lock_params = {"namespace": sql.ADVISORY_NAMESPACE, "schema": schema}
+    lock_params = {"namespace": sql.SWEEP_LOCK, "schema": schema}
     statement = sql.compose(sql.SWEEP_BATCH, schema)
     while limit is None or len(recovered) < limit:
         size = batch_size if limit is None else min(batch_size, limit - len(recovered))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dagster_leasequeue import Attempt, ConfigurationError, LeaseLost, LeaseQueue
+from dagster_leasequeue import Attempt, ConfigurationError, LeaseLost, LeaseQueue, LeaseQueueError
 
 from .helpers import expire, run_sql
 
@@ -130,25 +130,88 @@ def test_an_abandoned_attempt_is_marked_and_retried(queue: LeaseQueue) -> None:
     assert [r.outcome for r in queue.attempts("k")] == ["abandoned", "succeeded"]
 
 
-def test_attempts_of_one_key_take_turns(results: LeaseQueue) -> None:
+def test_concurrent_attempts_of_one_key_commit_one_success(results: LeaseQueue) -> None:
     queue = results
     entered = threading.Event()
-    outcomes: list[bool] = []
+    outcomes: list[tuple[str, bool]] = []
 
     def slow_first() -> None:
         with queue.attempt("shared") as attempt:
             entered.set()
             time.sleep(0.5)
-            write_result(attempt, "shared", 1)
-            outcomes.append(attempt.duplicate)
+            write_result(attempt, "shared-slow", 1)
+        outcomes.append(("slow", attempt.duplicate))
 
     first = threading.Thread(target=slow_first)
     first.start()
     entered.wait()
+    # No lock is held across the work: this attempt runs at once and commits first.
     with queue.attempt("shared") as attempt:
-        outcomes.append(attempt.duplicate)
+        assert not attempt.duplicate
+        write_result(attempt, "shared-fast", 2)
+    outcomes.append(("fast", attempt.duplicate))
     first.join()
-    assert outcomes == [False, True] and count_results(queue) == 1
+    assert outcomes == [("fast", False), ("slow", True)]
+    assert run_sql(queue, "SELECT pages FROM {schema}.results") == [(2,)]
+    assert sorted(r.outcome for r in queue.attempts("shared")) == ["skipped", "succeeded"]
+
+
+def test_a_paused_attempt_does_not_hold_up_its_replacement(results: LeaseQueue) -> None:
+    """A zombie inside an attempt (here: a thread that waits) must not block the new holder."""
+    queue = results
+    task_id = queue.enqueue({"doc": "z.pdf"})
+    zombie = queue.claim(lease_seconds=2)
+    assert zombie is not None
+    resume = threading.Event()
+    errors: list[BaseException] = []
+
+    def zombie_worker() -> None:
+        try:
+            with queue.attempt(lease=zombie) as attempt:
+                write_result(attempt, "z.pdf", 666)
+                resume.wait()
+        except BaseException as exc:
+            errors.append(exc)
+
+    paused = threading.Thread(target=zombie_worker)
+    paused.start()
+    time.sleep(0.2)
+    expire(queue, task_id)
+    queue.sweep()
+    fresh = queue.claim()
+    assert fresh is not None
+    started = time.monotonic()
+    # The zombie's open transaction holds the row "z.pdf" until the server ends its idle
+    # session, after the zombie's lease length.
+    with queue.attempt(lease=fresh) as attempt:
+        write_result(attempt, "z.pdf", 1)
+    assert time.monotonic() - started < 6
+    resume.set()
+    paused.join()
+    assert len(errors) == 1 and isinstance(errors[0], LeaseQueueError)
+    assert "nothing in it was written" in str(errors[0]) or isinstance(errors[0], LeaseLost)
+    assert run_sql(queue, "SELECT pages FROM {schema}.results") == [(1,)]
+    assert queue.get(task_id).status == "done"
+
+
+def test_an_attempt_keeps_its_lease_alive_with_a_pool_of_one(make_queue) -> None:  # type: ignore[no-untyped-def]
+    queue = make_queue(pool_size=1)
+    queue.install()
+    task_id = queue.enqueue({"n": 1})
+    lease = queue.claim(lease_seconds=0.6)
+    assert lease is not None
+    started = time.monotonic()
+    with lease, queue.attempt(lease=lease):
+        time.sleep(1.5)  # the only pooled connection is busy; renewals must still land
+    assert time.monotonic() - started < 5
+    assert queue.get(task_id).status == "done" and not lease.lost
+
+
+def test_an_attempt_key_cannot_block_the_sweeper(queue: LeaseQueue) -> None:
+    with queue.attempt("sweep"):
+        started = time.monotonic()
+        queue.sweep()
+        assert time.monotonic() - started < 1
 
 
 def test_attempt_needs_a_key_or_a_lease(queue: LeaseQueue) -> None:

@@ -125,3 +125,8 @@ def test_bad_settings_name_the_variable(
     with pytest.raises(ConfigurationError, match=variable) as raised:
         LeaseQueueSettings()
     assert repr(value) in str(raised.value)
+
+
+def test_a_backslash_before_u0000_is_not_a_nul(queue: LeaseQueue) -> None:
+    task_id = queue.enqueue({"path": "C:\\u0000\\files"})
+    assert queue.get(task_id).payload == {"path": "C:\\u0000\\files"}

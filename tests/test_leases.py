@@ -313,3 +313,17 @@ def test_recovery_events_commit_in_id_order(make_queue) -> None:  # type: ignore
     reading.join()
     assert len(seen) == total
     assert sorted(seen) == sorted(e.task_id for e in queue.recovery_events(limit=10_000))
+
+
+def test_a_lease_that_cannot_be_renewed_lapses(queue: LeaseQueue) -> None:
+    from dagster_leasequeue.connection import SharedConnection
+
+    queue.enqueue({"n": 1})
+    lease = claim_one(queue, lease_seconds=0.6)
+    # The database becomes unreachable for renewals only.
+    queue._renewals = SharedConnection("postgresql://127.0.0.1:1/none", connect_timeout=1)
+    with pytest.raises(LeaseLost), lease:
+        deadline = time.monotonic() + 10
+        while not lease.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lease.raise_if_lost()

@@ -225,3 +225,17 @@ def test_list_tasks_filters_and_pages(queue: LeaseQueue) -> None:
     assert [t.task_id for t in next_page] == ids[2:]
     with pytest.raises(ConfigurationError, match="status must be one of"):
         queue.list_tasks(status="running")
+
+
+def test_retry_dead_leaves_a_task_whose_key_was_taken(queue: LeaseQueue) -> None:
+    dead = queue.enqueue({"n": 1}, idempotency_key="k", max_attempts=1)
+    other = queue.enqueue({"n": 2}, max_attempts=1, queue="other")
+    for name in ("default", "other"):
+        lease = queue.claim(queue=name)
+        assert lease is not None
+        lease.fail("boom")
+    newer = queue.enqueue({"n": 3}, idempotency_key="k")  # the key is free once dead
+    assert newer != dead
+    assert queue.retry_dead() == 1
+    assert queue.get(dead).status == "dead"
+    assert queue.get(other).status == "enqueued"

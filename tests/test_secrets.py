@@ -72,3 +72,9 @@ def test_redact_and_describe() -> None:
     assert redact(f"host=h password='{PASSWORD} x' user=a") == "host=h password=*** user=a"
     assert describe(f"postgresql://a:{PASSWORD}@db.example:6543/app") == "db.example:6543/app"
     assert describe("postgresql://postgres:@/postgres?host=/tmp/pg") == "socket /tmp/pg/postgres"
+
+
+def test_an_unencoded_at_sign_in_a_url_password_is_refused() -> None:
+    with pytest.raises(LeaseQueueError, match="percent-encode") as raised:
+        LeaseQueue("postgresql://alice:Tr0ub@dor@127.0.0.1:1/app")
+    assert "dor" not in str(raised.value) and "Tr0ub" not in str(raised.value)
