@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -95,14 +96,10 @@ def test_dagster_dev_shows_the_example_and_the_sensor_observes(
 def _stop_group(dev: subprocess.Popen[bytes]) -> None:
     """Ctrl-C for dagster dev, then make sure no process of its group is left."""
     os.killpg(dev.pid, signal.SIGINT)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         dev.wait(30)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(dev.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     dev.wait()
 
 
