@@ -22,7 +22,7 @@ from .attempts import Attempt, attempt_key, run_attempt
 from .connection import SharedConnection, database_errors, open_pool
 from .dsn import describe
 from .embedded import embedded_dsn
-from .errors import ConfigurationError, TaskNotFound
+from .errors import ConfigurationError, LeaseLost, TaskNotFound
 from .lease import Lease
 from .models import (
     STATUSES,
@@ -350,6 +350,78 @@ class LeaseQueue:
         with self._connection() as conn:
             rows = conn.execute(self._sql(sql.QUEUE_NAMES)).fetchall()
         return [str(row[0]) for row in rows]
+
+    def ack_many(
+        self, leases: Iterable[Lease], results: Iterable[Mapping[str, Any] | None] | None = None
+    ) -> list[int]:
+        """Ack many leases in one statement, each fenced by its own token.
+
+        Every lease still held is acked (and the ids returned); if any was lost, the others
+        are acked all the same and :class:`LeaseLost` is then raised naming the lost ones.
+        """
+        held = list(leases)
+        encoded = [self._encode_result(r) for r in (results or [None] * len(held))]
+        if len(encoded) != len(held):
+            raise ConfigurationError("ack_many needs one result per lease (or no results)")
+        if not held:
+            return []
+        params = {
+            "task_ids": [lease.task_id for lease in held],
+            "tokens": [lease.token for lease in held],
+            "results": encoded,
+        }
+        with self._connection() as conn:
+            acked = {int(row[0]) for row in conn.execute(self._sql(sql.ACK_MANY), params)}
+        for lease in held:
+            if lease.task_id in acked:
+                lease.mark_acked()
+        lost = [lease.task_id for lease in held if lease.task_id not in acked]
+        if lost:
+            raise LeaseLost(
+                f"ack_many: tasks {lost} are no longer held by these leases (swept, claimed "
+                f"again, cancelled or already concluded); the other {len(acked)} were acked"
+            )
+        return sorted(acked)
+
+    def purge(
+        self,
+        older_than: float,
+        *,
+        statuses: Iterable[str] = ("done", "cancelled"),
+        queue: str | None = None,
+        batch_size: int = 1000,
+    ) -> int:
+        """Delete finished tasks that finished more than ``older_than`` seconds ago.
+
+        Deletes in batches of ``batch_size`` (one transaction each) so a large purge never
+        holds many locks; returns how many tasks were deleted. Dead tasks are kept unless
+        ``statuses`` names them: they usually need a look first.
+        """
+        chosen = list(statuses)
+        finished = {"done", "dead", "cancelled"}
+        if not chosen or not set(chosen) <= finished:
+            raise ConfigurationError(
+                f"purge statuses must be among {sorted(finished)}, got {chosen}"
+            )
+        if (
+            isinstance(older_than, bool)
+            or not isinstance(older_than, (int, float))
+            or older_than < 0
+        ):
+            raise ConfigurationError(f"older_than must be 0 or more seconds, got {older_than!r}")
+        params = {
+            "statuses": chosen,
+            "older_than": float(older_than),
+            "queue": queue,
+            "limit": batch_size,
+        }
+        deleted = 0
+        with self._connection() as conn:
+            while True:
+                count = conn.execute(self._sql(sql.PURGE_BATCH), params).rowcount
+                deleted += count
+                if count < batch_size:
+                    return deleted
 
     def cancel(self, task_id: int) -> bool:
         """Cancel a task not yet finished; False if it had already finished.

@@ -244,6 +244,17 @@ RENEW = (
 """
 )
 
+# Many acks in one statement, each still fenced by its own token.
+ACK_MANY = """
+    UPDATE {schema}.tasks AS t
+    SET status = 'done', result = a.result::jsonb, lease_expires_at = NULL,
+        finished_at = clock_timestamp(), updated_at = clock_timestamp()
+    FROM unnest(%(task_ids)s::bigint[], %(tokens)s::bigint[], %(results)s::text[])
+        AS a(task_id, token, result)
+    WHERE t.id = a.task_id AND t.lease_token = a.token AND t.status = 'processing'
+    RETURNING t.id
+"""
+
 # Why a fenced statement changed nothing, for the LeaseLost message.
 LEASE_STATE = "SELECT status, lease_token FROM {schema}.tasks WHERE id = %(task_id)s"
 
@@ -322,6 +333,18 @@ STATS = """
 """
 
 QUEUE_NAMES = "SELECT DISTINCT queue FROM {schema}.tasks ORDER BY queue"
+
+# Finished tasks older than a cut-off, a batch at a time (ids, so the batch is bounded).
+PURGE_BATCH = """
+    DELETE FROM {schema}.tasks
+    WHERE id = ANY(ARRAY(
+        SELECT id FROM {schema}.tasks
+        WHERE status = ANY(%(statuses)s::text[])
+          AND finished_at < clock_timestamp() - make_interval(secs => %(older_than)s)
+          AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+        LIMIT %(limit)s
+    ))
+"""
 
 CANCEL = """
     UPDATE {schema}.tasks

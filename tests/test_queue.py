@@ -239,3 +239,40 @@ def test_retry_dead_leaves_a_task_whose_key_was_taken(queue: LeaseQueue) -> None
     assert queue.retry_dead() == 1
     assert queue.get(dead).status == "dead"
     assert queue.get(other).status == "enqueued"
+
+
+def test_ack_many_is_fenced_per_token(queue: LeaseQueue) -> None:
+    from dagster_leasequeue import LeaseLost
+
+    from .helpers import expire
+
+    ids = queue.enqueue_many([{"n": n} for n in range(4)])
+    leases = queue.claim_many(4)
+    expire(queue, ids[1])
+    queue.sweep()
+    with pytest.raises(LeaseLost, match=rf"tasks \[{ids[1]}\].*other 3 were acked"):
+        queue.ack_many(leases, [{"n": n} for n in range(4)])
+    assert [queue.get(i).status for i in ids] == ["done", "enqueued", "done", "done"]
+    assert queue.get(ids[2]).result == {"n": 2}
+    assert all(lease.finished for i, lease in enumerate(leases) if i != 1)
+    assert queue.ack_many([]) == []
+
+
+def test_purge_deletes_old_finished_tasks_in_batches(queue: LeaseQueue) -> None:
+    ids = queue.enqueue_many([{"n": n} for n in range(25)])
+    queue.ack_many(queue.claim_many(20))
+    lease = queue.claim()
+    assert lease is not None
+    lease.fail("x", retry_in=0)
+    assert queue.purge(3600) == 0
+    assert queue.purge(0, batch_size=7) == 20
+    assert queue.stats().counts == {
+        "enqueued": 5,
+        "processing": 0,
+        "done": 0,
+        "dead": 0,
+        "cancelled": 0,
+    }
+    assert queue.get(ids[-1]).status == "enqueued"
+    with pytest.raises(ConfigurationError, match="statuses"):
+        queue.purge(0, statuses=["enqueued"])
