@@ -17,6 +17,7 @@ from dagster_leasequeue.errors import (
     PayloadError as PayloadError,
     SchemaNotInstalled as SchemaNotInstalled,
     TaskNotFound as TaskNotFound,
+    TransactionAbandoned as TransactionAbandoned,
 )
 from dagster_leasequeue.lease import Lease as Lease
 from dagster_leasequeue.models import (
@@ -72,6 +73,7 @@ __all__ = [
     "SchemaNotInstalled",
     "TaskInfo",
     "TaskNotFound",
+    "TransactionAbandoned",
     "__version__",
     "build_sweeper_sensor",
     "queue_asset_key",

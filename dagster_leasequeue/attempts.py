@@ -20,7 +20,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from . import sql
-from .errors import ConfigurationError, LeaseLost, LeaseQueueError
+from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TransactionAbandoned
 from .lease import Lease, _describe_error
 
 logger = logging.getLogger("dagster_leasequeue")
@@ -127,6 +127,14 @@ def run_attempt(
                 conn.autocommit = True
     except _SucceededElsewhere:
         _adopt_success(conn, schema, attempt, lease, errors, encode_result)
+    except (TransactionAbandoned, pg_errors.IdleInTransactionSessionTimeout):
+        if lease is None:
+            raise
+        # Idle past the lease (a paused process): the task may be someone else's by now.
+        raise LeaseLost(
+            f"the attempt on task {lease.task_id} sat idle in its transaction for longer than "
+            "the lease and the server ended it; nothing was written"
+        ) from None
     except BaseException as exc:
         _record_failure(conn, schema, attempt, exc, errors)
         if lease is not None and not isinstance(exc, LeaseLost):

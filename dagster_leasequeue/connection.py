@@ -14,7 +14,7 @@ from psycopg import errors as pg_errors
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .dsn import describe, redact
-from .errors import DatabaseUnavailable, LeaseQueueError
+from .errors import DatabaseUnavailable, LeaseQueueError, TransactionAbandoned
 from .schema import not_installed
 
 logger = logging.getLogger("dagster_leasequeue")
@@ -63,7 +63,7 @@ def database_errors(dsn: str, schema: str) -> Iterator[None]:
     except (pg_errors.UndefinedTable, pg_errors.InvalidSchemaName):
         raise not_installed(schema) from None
     except pg_errors.IdleInTransactionSessionTimeout:
-        raise LeaseQueueError(
+        raise TransactionAbandoned(
             "the server ended this attempt's transaction: it sat idle for longer than the "
             "lease (was the process paused?); nothing in it was written"
         ) from None

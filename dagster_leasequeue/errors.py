@@ -35,5 +35,9 @@ class DatabaseUnavailable(LeaseQueueError):
     """The database could not be reached or refused the connection."""
 
 
+class TransactionAbandoned(LeaseQueueError):
+    """The server ended a transaction that sat idle too long; nothing in it was written."""
+
+
 class TaskNotFound(LeaseQueueError, LookupError):
     """No task has the given id."""

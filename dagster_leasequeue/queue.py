@@ -127,6 +127,18 @@ class LeaseQueue:
         with self._connection() as conn:
             return schema_module.install(conn, self.schema)
 
+    def grant_worker(self, role: str) -> None:
+        """Grant ``role`` what producing, working and sweeping need, and nothing more.
+
+        The role can enqueue, claim, ack, fail, renew, record attempts, sweep and read; it
+        cannot delete, truncate or change the schema. Run this as the schema's owner.
+        """
+        if not isinstance(role, str) or not role or len(role.encode()) > 63:
+            raise ConfigurationError(f"role must be a PostgreSQL role name, got {role!r}")
+        with self._connection() as conn, conn.transaction():
+            for template in sql.WORKER_GRANTS:
+                conn.execute(sql.compose_grant(template, self.schema, role))
+
     def installed_version(self) -> int:
         """The schema's migration version in the database (0: not installed)."""
         with self._connection() as conn:

@@ -135,6 +135,16 @@ RECORD_VERSION = """
     VALUES (%(version)s, %(description)s)
 """
 
+# What a worker role needs, and no more: no DELETE, no TRUNCATE, no DDL. Producers,
+# workers, sweepers and the Dagster resource (with install_schema=False) all run with it.
+WORKER_GRANTS = (
+    "GRANT USAGE ON SCHEMA {schema} TO {role}",
+    "GRANT SELECT ON {schema}.schema_version TO {role}",
+    "GRANT SELECT, INSERT, UPDATE ON {schema}.tasks, {schema}.attempts,"
+    " {schema}.recovery_events TO {role}",
+    "GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}",
+)
+
 # -- producing ----------------------------------------------------------------------------
 
 # run_at: an explicit time, else now plus the delay (0 when none), on the database clock.
@@ -424,6 +434,15 @@ ATTEMPTS_FOR_KEY = """
     SELECT id, key, attempt, task_id, worker_id, outcome, error, result, started_at, finished_at
     FROM {schema}.attempts WHERE key = %(key)s ORDER BY id
 """
+
+
+def compose_grant(template: str, schema: str, role: str) -> str:
+    """Render a grant template for ``schema`` and ``role``, both quoted as identifiers."""
+    return (
+        sql.SQL(template)
+        .format(schema=sql.Identifier(schema), role=sql.Identifier(role))
+        .as_string(None)
+    )
 
 
 @lru_cache(maxsize=1024)
