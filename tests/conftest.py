@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,11 +15,38 @@ import pytest
 from dagster_leasequeue import LeaseQueue, LeaseQueueSettings
 from dagster_leasequeue.embedded import embedded_dsn
 
+# The suite's own variables, kept when the package's settings are cleared.
+_TEST_VARIABLES = {"LEASEQUEUE_TEST_DSN", "LEASEQUEUE_RELIABILITY_REPORT"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--chaos-long",
+        action="store_true",
+        help="run the fault-injection scenarios in their long form (many more tasks and kills)",
+    )
+
+
+@pytest.fixture(scope="session")
+def chaos_long(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--chaos-long"))
+
+
+@pytest.fixture(scope="session")
+def figures() -> Iterator[dict[str, dict[str, object]]]:
+    """Measured figures of the fault-injection scenarios, written as JSON at the end of the
+    session when LEASEQUEUE_RELIABILITY_REPORT names a file (docs/RELIABILITY.md quotes them)."""
+    collected: dict[str, dict[str, object]] = {}
+    yield collected
+    report = os.environ.get("LEASEQUEUE_RELIABILITY_REPORT")
+    if report and collected:
+        Path(report).write_text(json.dumps(collected, indent=2, default=str) + "\n")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # The suite must not pick up a developer's own LEASEQUEUE_* settings or .env file.
     for name in list(os.environ):
-        if name.startswith("LEASEQUEUE_") and name != "LEASEQUEUE_TEST_DSN":
+        if name.startswith("LEASEQUEUE_") and name not in _TEST_VARIABLES:
             del os.environ[name]
 
 

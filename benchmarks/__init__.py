@@ -1,0 +1,7 @@
+"""Benchmarks for dagster-leasequeue: run ``python -m benchmarks`` (``--help`` for options).
+
+Every number is a ratio against a baseline measured in the same run on the same table shape
+(the package's own schema, created with ``LeaseQueue.install()``), because the machine is
+noisy: nothing here asserts a time. The results are printed as tables and written as JSON
+to ``benchmarks/results/latest.json``; see ``docs/BENCHMARKS.md``.
+"""

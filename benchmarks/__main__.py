@@ -1,0 +1,7 @@
+"""``python -m benchmarks``: run the benchmark harness."""
+
+from benchmarks.cli import main
+
+# Worker processes are spawned: they re-import this module, which must not run anything.
+if __name__ == "__main__":
+    raise SystemExit(main())
