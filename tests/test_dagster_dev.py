@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from dagster_leasequeue import LeaseQueue
 
 from .helpers import expire
 
 ROOT = Path(__file__).resolve().parent.parent
-SENSOR = {
-    "repositoryLocationName": "example_repo",
-    "repositoryName": "__repository__",
-    "sensorName": "leasequeue_sweeper",
-}
+REPOSITORY = {"repositoryLocationName": "example_repo", "repositoryName": "__repository__"}
+SENSOR = {**REPOSITORY, "sensorName": "leasequeue_sweeper"}
+PASSWORD = "Dev-S3cret-Pw"
 
 
 def graphql(port: int, query: str, variables: dict[str, Any] | None = None) -> Any:
@@ -58,7 +57,8 @@ def test_dagster_dev_shows_the_example_and_the_sensor_observes(
     env = {
         **os.environ,
         "DAGSTER_HOME": str(tmp_path),
-        "LEASEQUEUE_DSN": dsn,
+        # trust authentication ignores the password; the UI must never show it
+        "LEASEQUEUE_DSN": make_conninfo(dsn, password=PASSWORD),
         "LEASEQUEUE_SCHEMA_NAME": schema_name,
     }
     log = (tmp_path / "dev.log").open("w")
@@ -88,6 +88,14 @@ def test_dagster_dev_shows_the_example_and_the_sensor_observes(
         assert started["startSensor"]["sensorState"]["status"] == "RUNNING"
         recovered = _wait_for_recovery_observation(port)
         assert recovered["task_id"] == task_id and recovered["worker_id"] == "killed-worker"
+        resource = graphql(
+            port,
+            "query($s: ResourceSelector!) { topLevelResourceDetailsOrError(resourceSelector: $s)"
+            " { ... on ResourceDetails { name configuredValues { key value type } } } }",
+            {"s": {**REPOSITORY, "resourceName": "leasequeue"}},
+        )
+        assert resource["topLevelResourceDetailsOrError"]["name"] == "leasequeue"
+        assert PASSWORD not in json.dumps(resource)
     finally:
         _stop_group(dev)
         log.close()
