@@ -145,7 +145,7 @@ def test_a_dropped_tick_loses_nothing(
     queue.claim(queue="documents")
     expire(queue, task_id)
     # A preview ("Test sensor" in the UI) sweeps but its events are thrown away.
-    sensor = defs.get_sensor_def("leasequeue_sweeper")
+    sensor = build_sweeper_sensor()
     with dg.build_sensor_context(
         instance=instance, resources={"leasequeue": LeaseQueueResource()}
     ) as context:
