@@ -20,17 +20,29 @@ from .schema import not_installed
 logger = logging.getLogger("dagster_leasequeue")
 
 
-def open_pool(dsn: str, *, pool_size: int, connect_timeout: float, name: str) -> ConnectionPool:
+def connection_options(*, connect_timeout: float, prepared_statements: bool) -> dict[str, Any]:
+    """Keyword arguments for every connection the package opens."""
+    # libpq counts whole seconds and treats values below 2 as 2.
+    options: dict[str, Any] = {
+        "autocommit": True,
+        "connect_timeout": max(2, math.ceil(connect_timeout)),
+    }
+    if not prepared_statements:
+        options["prepare_threshold"] = None
+    return options
+
+
+def open_pool(
+    dsn: str, *, pool_size: int, connect_timeout: float, options: dict[str, Any], name: str
+) -> ConnectionPool:
     """Open a pool of autocommit connections, failing fast with a clear error.
 
     One direct connection is made first: a pool retries a bad DSN in the background until
     its timeout and keeps the reason to its log, while the user needs the reason now.
     """
     where = describe(dsn)
-    # libpq counts whole seconds and treats values below 2 as 2.
-    timeout = max(2, math.ceil(connect_timeout))
     try:
-        psycopg.connect(dsn, connect_timeout=timeout).close()
+        psycopg.connect(dsn, **options).close()
     except psycopg.Error as exc:
         raise DatabaseUnavailable(
             f"cannot connect to PostgreSQL at {where}: {redact(str(exc).strip(), dsn)}"
@@ -39,7 +51,7 @@ def open_pool(dsn: str, *, pool_size: int, connect_timeout: float, name: str) ->
         dsn,
         min_size=1,
         max_size=pool_size,
-        kwargs={"autocommit": True, "connect_timeout": timeout},
+        kwargs=options,
         timeout=max(connect_timeout, 30.0),
         reconnect_timeout=max(connect_timeout * 12, 60.0),
         name=name,
@@ -90,9 +102,9 @@ class SharedConnection:
     statement, not a stuck worker.
     """
 
-    def __init__(self, dsn: str, *, connect_timeout: float) -> None:
+    def __init__(self, dsn: str, options: dict[str, Any]) -> None:
         self._dsn = dsn
-        self._timeout = max(2, math.ceil(connect_timeout))
+        self._options = options
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
 
@@ -100,9 +112,7 @@ class SharedConnection:
     def use(self) -> Iterator[psycopg.Connection[Any]]:
         with self._lock:
             if self._conn is None or self._conn.closed or self._conn.broken:
-                self._conn = psycopg.connect(
-                    self._dsn, autocommit=True, connect_timeout=self._timeout
-                )
+                self._conn = psycopg.connect(self._dsn, **self._options)
             yield self._conn
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ from psycopg_pool import ConnectionPool
 
 from . import schema as schema_module, sql
 from .attempts import Attempt, attempt_key, run_attempt
-from .connection import SharedConnection, database_errors, open_pool
+from .connection import SharedConnection, connection_options, database_errors, open_pool
 from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, TaskNotFound
@@ -32,6 +32,7 @@ from .models import (
     RecoveryEvent,
     TaskInfo,
 )
+from .notify import Listener
 from .payloads import encode_object
 from .settings import LeaseQueueSettings, validate_schema_name
 from .sweeper import sweep_expired
@@ -39,6 +40,7 @@ from .sweeper import sweep_expired
 _POSTGRES_INT_MAX = 2**31 - 1
 # An idempotent enqueue can race with the task it collides with finishing; a retry settles it.
 _ENQUEUE_RETRIES = 5
+_POLL_SECONDS = 1.0
 
 
 class LeaseQueue:
@@ -77,13 +79,23 @@ class LeaseQueue:
         self._dsn = dsn
         self.location = describe(dsn)
         self.default_worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        options = connection_options(
+            connect_timeout=self.settings.connect_timeout,
+            prepared_statements=self.settings.prepared_statements,
+        )
         self._pool: ConnectionPool = open_pool(
             dsn,
             pool_size=self.settings.pool_size,
             connect_timeout=self.settings.connect_timeout,
+            options=options,
             name=f"leasequeue-{self.schema}",
         )
-        self._renewals = SharedConnection(dsn, connect_timeout=self.settings.connect_timeout)
+        self._renewals = SharedConnection(dsn, options)
+        self._listener = Listener(dsn, self.schema, options)
+        self._notify = {
+            "notify": self.settings.notify,
+            "channel": sql.notify_channel(self.schema),
+        }
         self._closed = threading.Event()
 
     @classmethod
@@ -111,6 +123,7 @@ class LeaseQueue:
             self._closed.set()
             self._pool.close()
             self._renewals.close()
+            self._listener.close()
 
     @property
     def closed(self) -> bool:
@@ -177,7 +190,7 @@ class LeaseQueue:
             "lease_seconds": _check_positive("lease_seconds", lease_seconds),
             "run_at": _check_run_at(run_at, delay),
             "delay": _check_delay(delay),
-        }
+        } | self._notify
         with self._connection() as conn:
             for _ in range(_ENQUEUE_RETRIES):
                 row = conn.execute(self._sql(sql.ENQUEUE), params).fetchone()
@@ -213,7 +226,7 @@ class LeaseQueue:
             "priority": _check_priority(priority),
             "max_attempts": self._max_attempts(max_attempts),
             "payloads": encoded,
-        }
+        } | self._notify
         with self._connection() as conn:
             rows = conn.execute(self._sql(sql.ENQUEUE_MANY), params).fetchall()
         # Identity values are drawn in the order the rows were inserted.
@@ -227,9 +240,16 @@ class LeaseQueue:
         queue: str = "default",
         worker_id: str | None = None,
         lease_seconds: float | None = None,
+        wait: float = 0,
     ) -> Lease | None:
-        """Claim the next due task (highest priority, then oldest); None when there is none."""
-        leases = self.claim_many(1, queue=queue, worker_id=worker_id, lease_seconds=lease_seconds)
+        """Claim the next due task (highest priority, then oldest); None when there is none.
+
+        With ``wait``, an empty queue is waited on for up to that many seconds: an enqueue's
+        notification wakes the claim at once, and it also looks again every second.
+        """
+        leases = self.claim_many(
+            1, queue=queue, worker_id=worker_id, lease_seconds=lease_seconds, wait=wait
+        )
         return leases[0] if leases else None
 
     def claim_many(
@@ -239,10 +259,16 @@ class LeaseQueue:
         queue: str = "default",
         worker_id: str | None = None,
         lease_seconds: float | None = None,
+        wait: float = 0,
     ) -> list[Lease]:
-        """Claim up to ``limit`` due tasks in one statement, in claim order."""
+        """Claim up to ``limit`` due tasks in one statement, in claim order.
+
+        ``wait`` works as in :meth:`claim`.
+        """
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise ConfigurationError(f"limit must be a whole number of at least 1, got {limit!r}")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+            raise ConfigurationError(f"wait must be 0 or more seconds, got {wait!r}")
         params = {
             "queue": _check_queue(queue),
             "limit": limit,
@@ -250,9 +276,20 @@ class LeaseQueue:
             "lease_seconds": _check_positive("lease_seconds", lease_seconds),
             "default_lease": self.settings.lease_seconds,
         }
-        sent = time.monotonic()
-        with self._connection() as conn:
-            rows = conn.execute(self._sql(sql.CLAIM), params).fetchall()
+        deadline = time.monotonic() + wait
+        if wait:
+            with self._errors():
+                self._listener.listen()
+        while True:
+            sent = time.monotonic()
+            with self._connection() as conn:
+                rows = conn.execute(self._sql(sql.CLAIM), params).fetchall()
+            remaining = deadline - time.monotonic()
+            if rows or remaining <= 0:
+                break
+            with self._errors():
+                # Delayed and retried tasks send no notification: look again each second.
+                self._listener.wait(min(remaining, _POLL_SECONDS))
         # UPDATE ... RETURNING gives no order; restore the claim's.
         rows.sort(key=lambda row: (-row[3], row[4], row[0]))
         return [

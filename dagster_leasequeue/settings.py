@@ -88,6 +88,16 @@ class LeaseQueueSettings(BaseSettings):
     payload_max_bytes: int = Field(
         default=1024 * 1024, ge=2, description="Largest encoded payload or result, in bytes."
     )
+    notify: bool = Field(
+        default=True, description="Send a NOTIFY with each enqueue to wake waiting workers."
+    )
+    prepared_statements: bool = Field(
+        default=True,
+        description=(
+            "Let psycopg prepare frequent statements. Turn off behind PgBouncer in transaction "
+            "mode older than 1.21, which cannot keep prepared statements."
+        ),
+    )
 
     def __init__(self, **values: Any) -> None:
         try:

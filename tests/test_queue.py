@@ -12,6 +12,7 @@ from dagster_leasequeue import (
     LeaseQueue,
     SchemaNotInstalled,
     TaskNotFound,
+    sql,
 )
 
 from .helpers import run_sql
@@ -193,9 +194,9 @@ def test_install_is_idempotent_and_versioned(make_queue) -> None:  # type: ignor
         queue.enqueue({"n": 1})
     with pytest.raises(SchemaNotInstalled):
         queue.claim()
-    assert queue.install() == 1
+    assert queue.install() == len(sql.MIGRATIONS)
     assert queue.install() == 0
-    assert queue.installed_version() == 1
+    assert queue.installed_version() == sql.LATEST_VERSION
 
 
 def test_concurrent_installs(make_queue) -> None:  # type: ignore[no-untyped-def]
@@ -204,7 +205,7 @@ def test_concurrent_installs(make_queue) -> None:  # type: ignore[no-untyped-def
     queues = [make_queue() for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:
         applied = list(pool.map(lambda q: q.install(), queues))
-    assert sorted(applied) == [0, 0, 0, 1]
+    assert sorted(applied) == [0, 0, 0, len(sql.MIGRATIONS)]
     queues[0].enqueue({"n": 1})
 
 
@@ -276,3 +277,68 @@ def test_purge_deletes_old_finished_tasks_in_batches(queue: LeaseQueue) -> None:
     assert queue.get(ids[-1]).status == "enqueued"
     with pytest.raises(ConfigurationError, match="statuses"):
         queue.purge(0, statuses=["enqueued"])
+
+
+def test_a_database_at_an_older_version_is_migrated(
+    make_queue,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    queue = make_queue()
+    with monkeypatch.context() as older_release:
+        older_release.setattr(sql, "MIGRATIONS", sql.MIGRATIONS[:1])
+        older_release.setattr(sql, "LATEST_VERSION", 1)
+        assert queue.install() == 1
+        task_id = queue.enqueue({"kept": True})
+    assert queue.installed_version() == 1
+    with pytest.raises(SchemaNotInstalled, match="is at version 1"):
+        from dagster_leasequeue.schema import require_installed
+
+        with queue._connection() as conn:
+            require_installed(conn, queue.schema)
+    assert queue.install() == len(sql.MIGRATIONS) - 1
+    assert queue.installed_version() == sql.LATEST_VERSION
+    assert queue.get(task_id).payload == {"kept": True}
+    options = run_sql(
+        queue,
+        "SELECT reloptions FROM pg_class WHERE oid = %(t)s::regclass",
+        {"t": f'"{queue.schema}".tasks'},
+    )[0][0]
+    assert "autovacuum_vacuum_scale_factor=0.02" in options
+
+
+def test_a_waiting_claim_wakes_on_enqueue(queue: LeaseQueue) -> None:
+    import threading
+
+    def enqueue_later() -> None:
+        time.sleep(0.3)
+        queue.enqueue({"n": 1})
+
+    producer = threading.Thread(target=enqueue_later)
+    started = time.monotonic()
+    producer.start()
+    lease = queue.claim(wait=5)
+    waited = time.monotonic() - started
+    producer.join()
+    assert lease is not None and lease.payload == {"n": 1}
+    assert waited < 0.9  # woken by the notification, not by the one-second poll
+    started = time.monotonic()
+    assert queue.claim(wait=0.3) is None
+    assert 0.3 <= time.monotonic() - started < 1.5
+
+
+def test_a_waiting_claim_still_polls_without_notifications(make_queue) -> None:  # type: ignore[no-untyped-def]
+    queue = make_queue(notify=False)
+    queue.install()
+    queue.enqueue({"n": 1}, delay=0.5)  # a delayed task sends no wake-up when it comes due
+    lease = queue.claim(wait=3)
+    assert lease is not None and lease.payload == {"n": 1}
+    with pytest.raises(ConfigurationError, match="wait"):
+        queue.claim(wait=-1)
+
+
+def test_prepared_statements_can_be_turned_off(make_queue) -> None:  # type: ignore[no-untyped-def]
+    queue = make_queue(prepared_statements=False)
+    queue.install()
+    for n in range(8):  # past psycopg's threshold of 5 executions
+        queue.enqueue({"n": n})
+    assert run_sql(queue, "SELECT count(*) FROM pg_prepared_statements") == [(0,)]
