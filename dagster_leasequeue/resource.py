@@ -147,15 +147,26 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         return where
 
     def claim(
-        self, *, queue: str | None = None, lease_seconds: float | None = None
+        self, *, queue: str | None = None, lease_seconds: float | None = None, wait: float = 0
     ) -> Lease | None:
-        """Claim the next due task of ``queue`` (default: this resource's queue)."""
+        """Claim the next due task of ``queue`` (default: this resource's queue).
+
+        ``wait``: seconds to wait for a task when none is due; see :meth:`LeaseQueue.claim`.
+        """
         return self.get_queue().claim(
-            queue=queue or self.queue, worker_id=self.worker_id(), lease_seconds=lease_seconds
+            queue=queue or self.queue,
+            worker_id=self.worker_id(),
+            lease_seconds=lease_seconds,
+            wait=wait,
         )
 
     def claim_many(
-        self, limit: int, *, queue: str | None = None, lease_seconds: float | None = None
+        self,
+        limit: int,
+        *,
+        queue: str | None = None,
+        lease_seconds: float | None = None,
+        wait: float = 0,
     ) -> list[Lease]:
         """Claim up to ``limit`` due tasks of ``queue`` (default: this resource's queue)."""
         return self.get_queue().claim_many(
@@ -163,7 +174,14 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             queue=queue or self.queue,
             worker_id=self.worker_id(),
             lease_seconds=lease_seconds,
+            wait=wait,
         )
+
+    def ack_many(
+        self, leases: Iterable[Lease], results: Iterable[Mapping[str, Any] | None] | None = None
+    ) -> list[int]:
+        """Ack many leases in one statement; see :meth:`LeaseQueue.ack_many`."""
+        return self.get_queue().ack_many(leases, results)
 
     def enqueue(
         self,
