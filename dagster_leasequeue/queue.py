@@ -7,7 +7,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from datetime import datetime
@@ -439,12 +439,14 @@ class LeaseQueue:
         statuses: Iterable[str] = ("done", "cancelled"),
         queue: str | None = None,
         batch_size: int = 1000,
+        on_batch: Callable[[int], None] | None = None,
     ) -> int:
         """Delete finished tasks that finished more than ``older_than`` seconds ago.
 
         Deletes in batches of ``batch_size`` (one transaction each) so a large purge never
-        holds many locks; returns how many tasks were deleted. Dead tasks are kept unless
-        ``statuses`` names them: they usually need a look first.
+        holds many locks; returns how many tasks were deleted, and calls ``on_batch`` with
+        the running total after each batch. Dead tasks are kept unless ``statuses`` names
+        them: they usually need a look first.
         """
         chosen = list(statuses)
         finished = {"done", "dead", "cancelled"}
@@ -469,6 +471,8 @@ class LeaseQueue:
             while True:
                 count = conn.execute(self._sql(sql.PURGE_BATCH), params).rowcount
                 deleted += count
+                if on_batch is not None:
+                    on_batch(deleted)
                 if count < batch_size:
                     return deleted
 
