@@ -32,6 +32,10 @@ from dagster_leasequeue.settings import LeaseQueueSettings as LeaseQueueSettings
 from dagster_leasequeue.version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from dagster_leasequeue.checks import build_queue_asset_checks as build_queue_asset_checks
+    from dagster_leasequeue.launcher import (
+        build_worker_launcher_sensor as build_worker_launcher_sensor,
+    )
     from dagster_leasequeue.resource import LeaseQueueResource as LeaseQueueResource
     from dagster_leasequeue.sensors import (
         build_sweeper_sensor as build_sweeper_sensor,
@@ -42,6 +46,8 @@ if TYPE_CHECKING:
 # The Dagster layer, imported on first use: a worker that only needs the queue skips Dagster.
 _DAGSTER_EXPORTS = {
     "LeaseQueueResource": "dagster_leasequeue.resource",
+    "build_queue_asset_checks": "dagster_leasequeue.checks",
+    "build_worker_launcher_sensor": "dagster_leasequeue.launcher",
     "build_sweeper_sensor": "dagster_leasequeue.sensors",
     "queue_asset_key": "dagster_leasequeue.sensors",
     "queue_asset_specs": "dagster_leasequeue.sensors",
@@ -75,7 +81,9 @@ __all__ = [
     "TaskNotFound",
     "TransactionAbandoned",
     "__version__",
+    "build_queue_asset_checks",
     "build_sweeper_sensor",
+    "build_worker_launcher_sensor",
     "queue_asset_key",
     "queue_asset_specs",
 ]

@@ -39,13 +39,15 @@ class TaskInfo:
 class QueueStats:
     """Task counts per status (zeros included) and the age of the oldest waiting task.
 
-    ``oldest_enqueued_seconds`` counts from when the oldest claimable task became due; it
-    is None when no task is waiting.
+    ``due`` counts the enqueued tasks that can be claimed now (the others are delayed or
+    waiting for a retry). ``oldest_enqueued_seconds`` counts from when the oldest claimable
+    task became due; it is None when no task is due.
     """
 
     queue: str | None
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATUSES, 0))
     oldest_enqueued_seconds: float | None = None
+    due: int = 0
 
     @property
     def total(self) -> int:

@@ -367,16 +367,19 @@ class LeaseQueue:
 
     def stats(self, queue: str | None = None) -> QueueStats:
         """Counts per status (every status, zeros included) for one queue or all of them."""
-        per_queue = self._stats_rows(queue)
+        per_queue = self._stats_rows(queue).values()
         counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
-        ages = []
-        for stats in per_queue.values():
+        for stats in per_queue:
             for status, count in stats.counts.items():
                 counts[status] += count
-            if stats.oldest_enqueued_seconds is not None:
-                ages.append(stats.oldest_enqueued_seconds)
+        ages = [
+            s.oldest_enqueued_seconds for s in per_queue if s.oldest_enqueued_seconds is not None
+        ]
         return QueueStats(
-            queue=queue, counts=counts, oldest_enqueued_seconds=max(ages, default=None)
+            queue=queue,
+            counts=counts,
+            oldest_enqueued_seconds=max(ages, default=None),
+            due=sum(s.due for s in per_queue),
         )
 
     def stats_by_queue(self) -> dict[str, QueueStats]:
@@ -387,11 +390,12 @@ class LeaseQueue:
         with self._connection() as conn:
             rows = conn.execute(self._sql(sql.STATS), {"queue": queue}).fetchall()
         per_queue: dict[str, QueueStats] = {}
-        for name, status, count, age in rows:
+        for name, status, count, due, age in rows:
             stats = per_queue.setdefault(name, QueueStats(queue=name))
             stats.counts[status] = int(count)
-            if age is not None:
-                per_queue[name] = replace(stats, oldest_enqueued_seconds=float(age))
+            if status == "enqueued":
+                oldest = float(age) if age is not None else None
+                per_queue[name] = replace(stats, oldest_enqueued_seconds=oldest, due=int(due))
         return dict(sorted(per_queue.items()))
 
     def queues(self) -> list[str]:

@@ -368,6 +368,7 @@ LIST_TASKS = """
 
 STATS = """
     SELECT queue, status, count(*),
+           count(*) FILTER (WHERE status = 'enqueued' AND run_at <= clock_timestamp()),
            extract(epoch FROM clock_timestamp()
                    - min(run_at) FILTER (WHERE status = 'enqueued'
                                            AND run_at <= clock_timestamp()))

@@ -7,7 +7,13 @@ PostgreSQL when no DSN is set.
 
 import dagster as dg
 
-from dagster_leasequeue import LeaseQueueResource, build_sweeper_sensor, queue_asset_specs
+from dagster_leasequeue import (
+    LeaseQueueResource,
+    build_queue_asset_checks,
+    build_sweeper_sensor,
+    build_worker_launcher_sensor,
+    queue_asset_specs,
+)
 from example_repo.documents import DOCUMENTS, create_results_table, summarise, write_summary
 
 QUEUE = "documents"
@@ -89,6 +95,14 @@ def process_documents() -> None:
 defs = dg.Definitions(
     jobs=[enqueue_documents, process_documents],
     assets=queue_asset_specs([QUEUE]),
-    sensors=[build_sweeper_sensor(minimum_interval_seconds=15)],
+    asset_checks=build_queue_asset_checks(
+        [QUEUE], stuck_after_seconds=120, max_oldest_waiting_seconds=600
+    ),
+    sensors=[
+        build_sweeper_sensor(minimum_interval_seconds=15),
+        build_worker_launcher_sensor(
+            process_documents, max_concurrent_runs=2, tasks_per_run=3, minimum_interval_seconds=15
+        ),
+    ],
     resources={"leasequeue": LeaseQueueResource(queue=QUEUE)},
 )

@@ -73,9 +73,11 @@ def test_dagster_dev_shows_the_example_and_the_sensor_observes(
     try:
         repository = _wait_for_repository(port)
         assert {"enqueue_documents", "process_documents"} <= {j["name"] for j in repository["jobs"]}
-        assert repository["sensors"] == [
-            {"name": "leasequeue_sweeper", "sensorState": {"status": "STOPPED"}}
-        ]
+        sensors = {s["name"]: s["sensorState"]["status"] for s in repository["sensors"]}
+        assert sensors == {
+            "leasequeue_sweeper": "STOPPED",
+            "leasequeue_worker_launcher": "STOPPED",
+        }
         assert {"path": ["leasequeue", "documents"]} in [
             node["assetKey"] for node in repository["assetNodes"]
         ]

@@ -342,3 +342,11 @@ def test_prepared_statements_can_be_turned_off(make_queue) -> None:  # type: ign
     for n in range(8):  # past psycopg's threshold of 5 executions
         queue.enqueue({"n": n})
     assert run_sql(queue, "SELECT count(*) FROM pg_prepared_statements") == [(0,)]
+
+
+def test_stats_count_due_tasks_apart_from_delayed_ones(queue: LeaseQueue) -> None:
+    queue.enqueue_many([{"n": n} for n in range(3)])
+    queue.enqueue({"n": 9}, delay=3600)
+    stats = queue.stats()
+    assert (stats.counts["enqueued"], stats.due) == (4, 3)
+    assert queue.stats_by_queue()["default"].due == 3
