@@ -121,10 +121,28 @@ def _postmaster(path: Path) -> Any:
     return info if info is not None and info.is_running() else None
 
 
+def _forget_dead_users(pgserver: Any, path: Path) -> None:
+    """Drop the processes that died without saying so (SIGKILL, OOM) from the server's users.
+
+    pgserver counts the processes using a server and stops it when the last one exits;
+    a killed process never leaves that list, and would keep the server running for good.
+    """
+    import psutil  # a dependency of pgserver
+
+    handles = pgserver.utils.DiskList(path / ".handle_pids.json")
+    with pgserver.PostgresServer._lock:
+        users = handles.get()
+        alive = [pid for pid in users if psutil.pid_exists(pid)]
+        if alive != users:
+            handles.put(alive)
+
+
 def _get_server(path: Path, *, cleanup_mode: str | None) -> Any:
     pgserver = _import_pgserver()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            _forget_dead_users(pgserver, path)
         logger.info("starting or attaching to the embedded PostgreSQL in %s", path)
         return pgserver.get_server(path, cleanup_mode=cleanup_mode)
     except Exception as exc:
