@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from dagster_leasequeue import (
@@ -179,6 +180,7 @@ def test_a_server_crash_loses_no_acknowledged_enqueue(
     restarted = threading.Event()
     stop = threading.Event()
     errors: Counter[str] = Counter()
+    unexpected: list[BaseException] = []
 
     def producer() -> None:
         n = 0
@@ -203,9 +205,13 @@ def test_a_server_crash_loses_no_acknowledged_enqueue(
                     )
                 if restarted.is_set():
                     done_after_restart.append(lease.task_id)
-            except LeaseQueueError as exc:
+            except (LeaseQueueError, psycopg.Error) as exc:
+                # The effect's own statement meets the crash as a psycopg error.
                 errors[type(exc).__name__] += 1
                 time.sleep(0.05)
+            except BaseException as exc:
+                unexpected.append(exc)
+                raise
 
     def queue_has_work() -> bool:
         try:
@@ -257,6 +263,7 @@ def test_a_server_crash_loses_no_acknowledged_enqueue(
         "duplicated_effects": sum(c - 1 for c in effects.values()),
     }
     assert lost == []
+    assert unexpected == [], "a worker thread died"
     assert done_after_restart, "the workers did not recover after the restart"
     assert set(effects.values()) == {1}
     assert sorted(effects) == sorted(stored)
