@@ -1,6 +1,6 @@
 """``python -m benchmarks``: run the benchmark harness."""
 
-from benchmarks.cli import main
+from benchmarks.source import main
 
 # Worker processes are spawned: they re-import this module, which must not run anything.
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-SECTIONS = ("enqueue", "latency", "drain", "sweeper", "polling", "memory", "sweep")
+SECTIONS = ("enqueue", "latency", "plans", "drain", "sweeper", "polling", "memory", "sweep")
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,9 @@ class BenchConfig:
     quick: bool
     tasks: int
     workers: tuple[int, ...] = (1, 4)
-    rounds: int = 1
+    rounds: int = 2
+    min_drain_seconds: float = 2.0
+    max_drain_repeats: int = 5
     batch: int = 100
     enqueue_chunk: int = 1000
     enqueue_single: int = 3000
@@ -39,12 +41,6 @@ class BenchConfig:
     sections: tuple[str, ...] = SECTIONS
     output: Path = RESULTS_DIR / "latest.json"
     plot: Path | None = RESULTS_DIR / "latest.png"
-    extra: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def sample_every(self) -> int:
-        """How many tasks a drain worker handles between two memory samples."""
-        return max(self.batch, self.tasks // 20)
 
 
 def full(dsn: str, tasks: int | None = None) -> BenchConfig:
@@ -60,6 +56,8 @@ def quick(dsn: str, tasks: int | None = None) -> BenchConfig:
         tasks=tasks or 2000,
         enqueue_single=500,
         latency_tasks=500,
+        rounds=1,
+        min_drain_seconds=0.0,
         sweep_sizes=(10_000, 100_000),
         sweep_idle_calls=15,
         sweep_expired_repeats=3,

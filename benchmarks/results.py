@@ -1,0 +1,56 @@
+"""Everything one run measured, section by section (None: the section did not run)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.bench_drain import SweeperResult, throughputs
+from benchmarks.bench_enqueue import EnqueueResult
+from benchmarks.bench_latency import LatencyResult
+from benchmarks.bench_memory import MemoryResult
+from benchmarks.bench_plans import PlanCheck
+from benchmarks.bench_polling import PollingResult
+from benchmarks.bench_sweep import SweepResult
+from benchmarks.config import BenchConfig
+from benchmarks.drain import DrainResult
+from benchmarks.stats import Summary
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal from the issue, checked against this run's own baselines (never timed alone)."""
+
+    name: str
+    measured: str
+    value: float | None
+    goal: str
+    passed: bool | None  # None: not measured in this run
+
+    @property
+    def verdict(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
+
+
+@dataclass
+class Results:
+    config: BenchConfig
+    environment: dict[str, Any]
+    probe: dict[str, Summary]
+    seconds: float = 0.0
+    enqueue: list[EnqueueResult] | None = None
+    latency: list[LatencyResult] | None = None
+    plans: list[PlanCheck] | None = None
+    drain: list[DrainResult] | None = None
+    sweeper: SweeperResult | None = None
+    polling: list[PollingResult] | None = None
+    memory: MemoryResult | None = None
+    sweep: list[SweepResult] | None = None
+    targets: list[Target] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def drain_medians(self) -> dict[str, float]:
+        """Median drain throughput (tasks/s) by ``strategy x workers``."""
+        rates = throughputs(self.drain or [])
+        return {f"{name} x{workers}": rate for (name, workers), rate in rates.items()}
