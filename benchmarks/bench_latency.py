@@ -15,7 +15,6 @@ from benchmarks.strategies import STRATEGIES, Drainer
 LATENCY_STRATEGIES = (
     "raw_one",
     "sql_one",
-    "sql_one_inlined",
     "lq_one",
     "lq_attempt",
     "raw_one_unprepared",

@@ -23,7 +23,7 @@ from benchmarks.config import BenchConfig
 from benchmarks.db import LEASE_SECONDS, bench_schema, connect, fill_tasks, vacuum
 from benchmarks.progress import Progress
 from benchmarks.report import table
-from benchmarks.strategies import inline_limit, seed_claim
+from benchmarks.strategies import seed_claim
 from dagster_leasequeue import sql as lq_sql
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
@@ -65,22 +65,20 @@ def to_positional(statement: str) -> tuple[str, list[str]]:
 
 
 def _statements(config: BenchConfig, schema: str) -> dict[str, tuple[str, Mapping[str, Any]]]:
-    def claim(limit: int) -> dict[str, Any]:
-        return {
-            "queue": "default",
-            "limit": limit,
-            "worker_id": "bench-plan",
-            "lease_seconds": None,
-            "default_lease": LEASE_SECONDS,
-        }
-
-    package_claim = lq_sql.compose(lq_sql.CLAIM, schema)
+    claim = {
+        "queue": "default",
+        "worker_id": "bench-plan",
+        "lease_seconds": None,
+        "default_lease": LEASE_SECONDS,
+    }
     return {
         "seed claim, LIMIT 1": (seed_claim(1), {}),
         f"seed claim, LIMIT {config.batch}": (seed_claim(config.batch), {}),
-        "package CLAIM, limit=1": (package_claim, claim(1)),
-        f"package CLAIM, limit={config.batch}": (package_claim, claim(config.batch)),
-        "package CLAIM, LIMIT 1 inlined": (inline_limit(package_claim, 1), claim(1)),
+        "package CLAIM, LIMIT 1": (lq_sql.compose_claim(schema, 1), claim),
+        f"package CLAIM, LIMIT {config.batch}": (
+            lq_sql.compose_claim(schema, config.batch),
+            claim,
+        ),
         "package SWEEP_BATCH, limit=500": (
             lq_sql.compose(lq_sql.SWEEP_BATCH, schema),
             {"limit": 500},

@@ -96,11 +96,10 @@ class PackageSqlDrainer(BareDrainer):
 
     def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
         super().__init__(dsn, schema, batch, prepared)
-        self._claim = lq_sql.compose(lq_sql.CLAIM, schema)
+        self._claim = lq_sql.compose_claim(schema, batch)
         self._ack = lq_sql.compose(lq_sql.ACK if batch == 1 else lq_sql.ACK_MANY, schema)
         self._params = {
             "queue": "default",
-            "limit": batch,
             "worker_id": f"bench-sql-worker:{schema}",
             "lease_seconds": None,
             "default_lease": LEASE_SECONDS,
@@ -118,21 +117,6 @@ class PackageSqlDrainer(BareDrainer):
         ids, tokens = zip(*claimed, strict=True)
         params = {"task_ids": list(ids), "tokens": list(tokens), "results": [None] * len(ids)}
         self._conn.execute(self._ack, params)
-
-
-def inline_limit(statement: str, limit: int) -> str:
-    """A what-if: the package's claim with its LIMIT written as a literal, not a parameter."""
-    if "LIMIT %(limit)s" not in statement:
-        raise ValueError("the package's claim has no 'LIMIT %(limit)s' to inline")
-    return statement.replace("LIMIT %(limit)s", f"LIMIT {int(limit)}")
-
-
-class InlinedLimitSqlDrainer(PackageSqlDrainer):
-    """:class:`PackageSqlDrainer` with the claim's LIMIT inlined (see :func:`inline_limit`)."""
-
-    def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
-        super().__init__(dsn, schema, batch, prepared)
-        self._claim = inline_limit(self._claim, batch)
 
 
 class PackageDrainer:
@@ -221,15 +205,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy(
             "sql_batch", "package SQL batch, bare psycopg", "raw_batch", 0, PackageSqlDrainer, True
         ),
-        # Variants for the latency table: the claim's LIMIT inlined; no prepared statements.
-        Strategy(
-            "sql_one_inlined",
-            "sql_one, claim LIMIT inlined",
-            "raw_one",
-            1,
-            InlinedLimitSqlDrainer,
-            analysis=True,
-        ),
+        # Variants for the latency table: no prepared statements.
         Strategy(
             "raw_one_unprepared", "raw_one, not prepared", None, 1, SeedSqlDrainer, prepared=False
         ),

@@ -94,9 +94,13 @@ def run_attempt(
     with errors():
         row = conn.execute(
             sql.compose(sql.BEGIN_ATTEMPT, schema),
-            {"key": key, "task_id": lease.task_id if lease else None, "worker_id": worker_id},
+            {
+                "key": key,
+                "task_id": lease.task_id if lease else None,
+                "worker_id": worker_id,
+                "idle_milliseconds": str(int(idle_timeout * 1000)),
+            },
         ).fetchone()
-        conn.execute(sql.SET_IDLE_TIMEOUT, {"milliseconds": str(int(idle_timeout * 1000))})
     assert row is not None
     attempt = Attempt(
         key=key,

@@ -271,7 +271,6 @@ class LeaseQueue:
             raise ConfigurationError(f"wait must be 0 or more seconds, got {wait!r}")
         params = {
             "queue": _check_queue(queue),
-            "limit": limit,
             "worker_id": worker_id or self.default_worker_id,
             "lease_seconds": _check_positive("lease_seconds", lease_seconds),
             "default_lease": self.settings.lease_seconds,
@@ -283,7 +282,7 @@ class LeaseQueue:
         while True:
             sent = time.monotonic()
             with self._connection() as conn:
-                rows = conn.execute(self._sql(sql.CLAIM), params).fetchall()
+                rows = conn.execute(sql.compose_claim(self.schema, limit), params).fetchall()
             remaining = deadline - time.monotonic()
             if rows or remaining <= 0:
                 break

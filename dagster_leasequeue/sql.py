@@ -168,10 +168,16 @@ _RUN_AT = (
     "clock_timestamp() + make_interval(secs => coalesce(%(delay)s, 0)))"
 )
 
-# Enqueues end with a NOTIFY on the schema's channel, a hint that wakes waiting workers
-# (identical notifications of one transaction are delivered once). Waiting workers also
-# poll, so a hint lost with a connection costs latency, never a task.
-_NOTIFY = "CASE WHEN %(notify)s THEN pg_notify(%(channel)s, %(queue)s)::text END"
+# Enqueues end with one NOTIFY on the schema's channel, a hint that wakes waiting workers.
+# The CTE that sends it is volatile, so PostgreSQL runs it once, not once per row. Waiting
+# workers also poll, so a hint lost with a connection costs latency, never a task.
+_NOTIFY = """
+    ), notified AS (
+        SELECT CASE WHEN %(notify)s THEN pg_notify(%(channel)s, %(queue)s)::text END
+        WHERE EXISTS (SELECT 1 FROM inserted)
+    )
+    SELECT inserted.id FROM inserted CROSS JOIN notified
+"""
 
 ENQUEUE = (
     """
@@ -186,11 +192,8 @@ ENQUEUE = (
         WHERE idempotency_key IS NOT NULL AND status IN ('enqueued', 'processing')
         DO NOTHING
     RETURNING id
-    )
-    SELECT id, """
-    + _NOTIFY
-    + """ FROM inserted
 """
+    + _NOTIFY
 )
 
 FIND_UNFINISHED_BY_KEY = """
@@ -208,11 +211,8 @@ ENQUEUE_MANY = (
         FROM unnest(%(payloads)s::text[]) WITH ORDINALITY AS p(payload, ord)
         ORDER BY p.ord
         RETURNING id
-    )
-    SELECT id, """
-    + _NOTIFY
-    + """ FROM inserted
 """
+    + _NOTIFY
 )
 
 LISTEN = "LISTEN {channel}"
@@ -220,13 +220,16 @@ LISTEN = "LISTEN {channel}"
 # -- claiming and the lease -------------------------------------------------------------
 
 # The rows are locked in a CTE with LIMIT: "id IN (SELECT ... LIMIT n FOR UPDATE SKIP
-# LOCKED)" may be re-evaluated by the planner and claim more than n rows.
+# LOCKED)" may be re-evaluated by the planner and claim more than n rows. The limit is
+# written into the statement (see compose_claim), not passed as a parameter: with a
+# parameter the planner cannot see it, so a prepared claim is planned again on every call,
+# and the generic plan it would settle on scans the whole table.
 CLAIM = """
     WITH picked AS (
         SELECT id FROM {schema}.tasks
         WHERE status = 'enqueued' AND queue = %(queue)s AND run_at <= clock_timestamp()
         ORDER BY priority DESC, run_at, id
-        LIMIT %(limit)s
+        LIMIT {limit}
         FOR UPDATE SKIP LOCKED
     )
     UPDATE {schema}.tasks AS t
@@ -447,7 +450,9 @@ BEGIN_ATTEMPT = """
            CASE WHEN previous.succeeded THEN clock_timestamp() END
     FROM previous
     RETURNING id, attempt, outcome = 'skipped',
-              (SELECT result FROM previous), (SELECT count(*) FROM abandoned)
+              (SELECT result FROM previous), (SELECT count(*) FROM abandoned),
+              -- the session ends if left idle inside the attempt's transaction this long
+              set_config('idle_in_transaction_session_timeout', %(idle_milliseconds)s, false)
 """
 
 FINISH_ATTEMPT = """
@@ -456,10 +461,6 @@ FINISH_ATTEMPT = """
         finished_at = clock_timestamp()
     WHERE id = %(attempt_id)s
 """
-
-SET_IDLE_TIMEOUT = (
-    "SELECT set_config('idle_in_transaction_session_timeout', %(milliseconds)s, false)"
-)
 
 SUCCESS_FOR_KEY = """
     SELECT result FROM {schema}.attempts WHERE key = %(key)s AND outcome = 'succeeded'
@@ -479,6 +480,20 @@ def listen_statement(schema: str) -> str:
 def notify_channel(schema: str) -> str:
     """The channel enqueues notify on; PostgreSQL truncates channel names to 63 bytes."""
     return f"lq_{schema}"[:63]
+
+
+@lru_cache(maxsize=256)
+def compose_claim(schema: str, limit: int) -> str:
+    """The claim statement for ``schema`` with ``limit`` written in as a literal."""
+    return (
+        sql.SQL(CLAIM)
+        .format(
+            schema=sql.Identifier(schema),
+            lease_tokens=sql.Literal(sql.Identifier(schema, "lease_tokens").as_string(None)),
+            limit=sql.Literal(limit),
+        )
+        .as_string(None)
+    )
 
 
 def compose_grant(template: str, schema: str, role: str) -> str:

@@ -105,10 +105,9 @@ def test_claim_in_an_old_transaction_gets_its_full_lease(queue: LeaseQueue) -> N
         began = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
         time.sleep(1.2)
         row = conn.execute(
-            queue._sql(sql.CLAIM),
+            sql.compose_claim(queue.schema, 1),
             {
                 "queue": "default",
-                "limit": 1,
                 "worker_id": "old-tx",
                 "lease_seconds": 10,
                 "default_lease": 10,
