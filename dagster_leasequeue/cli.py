@@ -647,10 +647,11 @@ def _show_purged(deleted: int) -> None:
 # -- worker --------------------------------------------------------------------------------
 
 
-class _Aborted(BaseException):
+class _Aborted(KeyboardInterrupt):
     """Raised inside the handler by a second signal.
 
-    A BaseException, like KeyboardInterrupt, so a handler's ``except Exception`` lets it by.
+    A KeyboardInterrupt, so a handler's ``except Exception`` lets it by and psycopg cancels
+    a query the handler is waiting on.
     """
 
 
@@ -907,6 +908,10 @@ def _work(
             shutdown.wait(options.poll_interval)
             continue
         waiting = False
+        if shutdown.requested.is_set():
+            # The stop came while this claim was on its way: hand the task straight back.
+            lease.fail("the worker was stopped before the task started", retry_in=0)
+            break
         tally.add(_process(lease, handler, shutdown))
     return tally
 

@@ -26,6 +26,13 @@ def connection_options(*, connect_timeout: float, prepared_statements: bool) -> 
     options: dict[str, Any] = {
         "autocommit": True,
         "connect_timeout": max(2, math.ceil(connect_timeout)),
+        # Notice a peer that vanished (a crashed host, a dropped network path) within about
+        # a minute instead of the kernel's default hours, so a worker's renewals and claims
+        # fail and it can stop, rather than hang.
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
     }
     if not prepared_statements:
         options["prepare_threshold"] = None

@@ -14,6 +14,7 @@ Two lifetimes:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import subprocess
@@ -60,6 +61,10 @@ def embedded_dsn(data_dir: Path | str, *, database: str = "postgres") -> str:
                 return status.uri
             server = _get_server(path, cleanup_mode="stop")
             _servers[path] = server
+            # Runs before pgserver's own exit hook (hooks run last-registered first), so the
+            # last clean user stops the server even if another user was killed, and nobody
+            # stops one that `leasequeue embedded start` asked to keep running.
+            atexit.register(_before_exit, server, path)
     return str(server.get_uri(database))
 
 
@@ -119,6 +124,15 @@ def _postmaster(path: Path) -> Any:
     except (AssertionError, ValueError, OSError):
         return None  # a pid file being written (start-up) or removed (shutdown)
     return info if info is not None and info.is_running() else None
+
+
+def _before_exit(server: Any, path: Path) -> None:
+    try:
+        _forget_dead_users(_import_pgserver(), path)
+        if (path / KEEP_RUNNING_MARKER).exists():
+            server.cleanup_mode = None
+    except Exception as exc:  # an exit hook must not fail the interpreter's exit
+        logger.warning("embedded server clean-up: %s", exc)
 
 
 def _forget_dead_users(pgserver: Any, path: Path) -> None:

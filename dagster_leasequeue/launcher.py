@@ -7,12 +7,11 @@ import math
 
 import dagster as dg
 
-from .resource import LeaseQueueResource
+from .resource import QUEUE_TAG, LeaseQueueResource
 
 logger = logging.getLogger("dagster_leasequeue")
 
 LAUNCHER_TAG = "leasequeue/launcher"
-QUEUE_TAG = "leasequeue/queue"
 LAUNCH_TAG = "leasequeue/launch"
 
 # A run in one of these statuses holds (or will hold) a slot: it may claim tasks.

@@ -92,12 +92,19 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """True once a renewal found the lease gone: the work should stop."""
-        return self._lost.is_set()
+        """True once the lease is gone or may be: the work should stop.
+
+        Set when a renewal finds the lease taken; also true, while renewing in the
+        background, once the lease has run out without a renewal getting through (a
+        renewal can hang on a dead connection without failing).
+        """
+        if self._lost.is_set():
+            return True
+        return self._renewer is not None and time.monotonic() >= self._local_deadline
 
     def raise_if_lost(self) -> None:
-        """Raise LeaseLost if background renewal found the lease gone; call it between steps."""
-        if self._lost.is_set():
+        """Raise LeaseLost if the lease is gone or has run out; call it between steps."""
+        if self.lost:
             raise LeaseLost(
                 f"the lease on task {self.task_id} (token {self.token}) was lost: "
                 "stop working on it"

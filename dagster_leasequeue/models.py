@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 Status = Literal["enqueued", "processing", "done", "dead", "cancelled"]
 STATUSES: tuple[Status, ...] = ("enqueued", "processing", "done", "dead", "cancelled")
-UNFINISHED: tuple[Status, ...] = ("enqueued", "processing")
 
 RecoveryAction = Literal["requeued", "dead"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -30,15 +31,24 @@ class Listener:
             self._ensure()
 
     def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a notification; True if one came."""
-        with self._lock:
-            conn = self._ensure()
-            try:
-                for _ in conn.notifies(timeout=timeout, stop_after=1):
-                    return True
-            except psycopg.OperationalError:
-                conn.close()  # reopened, and listening again, on the next call
+        """Wait up to ``timeout`` seconds for a notification; True if one came.
+
+        Threads sharing the listener take turns; a thread never waits past its own timeout.
+        """
+        deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout=timeout):
             return False
+        try:
+            conn = self._ensure()
+            remaining = max(0.0, deadline - time.monotonic())
+            for _ in conn.notifies(timeout=remaining, stop_after=1):
+                return True
+        except psycopg.OperationalError:
+            if self._conn is not None:
+                self._conn.close()  # reopened, and listening again, on the next call
+        finally:
+            self._lock.release()
+        return False
 
     def close(self) -> None:
         with self._lock:

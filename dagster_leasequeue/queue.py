@@ -73,9 +73,10 @@ class LeaseQueue:
         self.schema = validate_schema_name(
             schema if schema is not None else self.settings.schema_name
         )
-        self.embedded = dsn is None and self.settings.dsn is None
-        if dsn is None:
-            dsn = self.settings.dsn_value() or embedded_dsn(self.settings.data_dir)
+        dsn = dsn or self.settings.dsn_value()
+        self.embedded = not dsn
+        if not dsn:
+            dsn = embedded_dsn(self.settings.data_dir)
         self._dsn = dsn
         self.location = describe(dsn)
         self.default_worker_id = f"{socket.gethostname()}:{os.getpid()}"
@@ -151,6 +152,11 @@ class LeaseQueue:
         with self._connection() as conn, conn.transaction():
             for template in sql.WORKER_GRANTS:
                 conn.execute(sql.compose_grant(template, self.schema, role))
+
+    def check_installed(self) -> None:
+        """Raise SchemaNotInstalled unless the schema is at this release's version."""
+        with self._connection() as conn:
+            schema_module.require_installed(conn, self.schema)
 
     def installed_version(self) -> int:
         """The schema's migration version in the database (0: not installed)."""

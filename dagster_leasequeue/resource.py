@@ -20,6 +20,9 @@ from .queue import LeaseQueue
 from .settings import LeaseQueueSettings
 from .version import __version__
 
+# Set on runs that should work one queue; the worker launcher sensor sets it.
+QUEUE_TAG = "leasequeue/queue"
+
 DagsterLibraryRegistry.register("dagster-leasequeue", __version__, is_dagster_package=False)
 
 
@@ -55,6 +58,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             "PostgreSQL connection string; pass dg.EnvVar('LEASEQUEUE_DSN') so the password "
             "never appears in the Dagster UI. Unset: LEASEQUEUE_DSN, else the embedded server."
         ),
+        repr=False,
     )
     schema_name: str | None = Field(
         default=None, description="Schema of the queue's tables (default: leasequeue)."
@@ -81,6 +85,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
 
     _queue: LeaseQueue | None = PrivateAttr(default=None)
     _run_worker_id: str | None = PrivateAttr(default=None)
+    _run_queue: str | None = PrivateAttr(default=None)
 
     @classmethod
     def _is_dagster_maintained(cls) -> bool:
@@ -95,6 +100,8 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         )
         if run is not None:
             self._run_worker_id = f"dagster-run:{run.run_id}"
+            # A run launched for a queue (by the worker launcher sensor) works that queue.
+            self._run_queue = run.tags.get(QUEUE_TAG)
         self.get_queue()
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
@@ -124,6 +131,8 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             try:
                 if self.install_schema:
                     queue.install()
+                else:
+                    queue.check_installed()  # fail at start-up, not at the first claim
             except BaseException:
                 queue.close()
                 raise
@@ -131,6 +140,10 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         return self._queue
 
     # -- delegation ------------------------------------------------------------------------
+
+    def default_queue(self) -> str:
+        """The queue used when none is named: the run's ``leasequeue/queue`` tag, else ``queue``."""
+        return self._run_queue or self.queue
 
     def worker_id(self) -> str:
         """Who is claiming: the run and step when called in a run, else host and process."""
@@ -154,7 +167,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         ``wait``: seconds to wait for a task when none is due; see :meth:`LeaseQueue.claim`.
         """
         return self.get_queue().claim(
-            queue=queue or self.queue,
+            queue=queue or self.default_queue(),
             worker_id=self.worker_id(),
             lease_seconds=lease_seconds,
             wait=wait,
@@ -171,7 +184,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """Claim up to ``limit`` due tasks of ``queue`` (default: this resource's queue)."""
         return self.get_queue().claim_many(
             limit,
-            queue=queue or self.queue,
+            queue=queue or self.default_queue(),
             worker_id=self.worker_id(),
             lease_seconds=lease_seconds,
             wait=wait,
@@ -198,7 +211,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """Add a task; see :meth:`LeaseQueue.enqueue`."""
         return self.get_queue().enqueue(
             payload,
-            queue=queue or self.queue,
+            queue=queue or self.default_queue(),
             priority=priority,
             run_at=run_at,
             delay=delay,
@@ -217,7 +230,10 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     ) -> list[int]:
         """Add many tasks in one statement; see :meth:`LeaseQueue.enqueue_many`."""
         return self.get_queue().enqueue_many(
-            payloads, queue=queue or self.queue, priority=priority, max_attempts=max_attempts
+            payloads,
+            queue=queue or self.default_queue(),
+            priority=priority,
+            max_attempts=max_attempts,
         )
 
     @contextmanager

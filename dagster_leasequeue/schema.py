@@ -33,7 +33,7 @@ def install(conn: psycopg.Connection[Any], schema: str) -> int:
         return 0
     applied = 0
     with conn.transaction():
-        conn.execute(sql.LOCK_SCHEMA, {"namespace": sql.INSTALL_LOCK, "schema": schema})
+        conn.execute(sql.ADVISORY_XACT_LOCK, {"namespace": sql.INSTALL_LOCK, "schema": schema})
         conn.execute(sql.compose(sql.CREATE_SCHEMA, schema))
         conn.execute(sql.compose(sql.CREATE_VERSION_TABLE, schema))
         row = conn.execute(sql.compose(sql.CURRENT_VERSION, schema)).fetchone()

@@ -108,12 +108,7 @@ class LeaseQueueSettings(BaseSettings):
     @field_validator("schema_name")
     @classmethod
     def _check_schema_name(cls, value: str) -> str:
-        if not SCHEMA_NAME_PATTERN.match(value):
-            raise ValueError(
-                "use 1 to 63 lowercase ASCII letters, digits or underscores, "
-                "starting with a letter or underscore"
-            )
-        return value
+        return validate_schema_name(value)
 
     def dsn_value(self) -> str | None:
         """The DSN as plain text, or None for the embedded server."""

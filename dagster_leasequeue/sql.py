@@ -132,10 +132,10 @@ LATEST_VERSION = MIGRATIONS[-1].version
 
 # -- schema management -------------------------------------------------------------------
 
-SCHEMA_EXISTS = "SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s"
 VERSION_TABLE_EXISTS = "SELECT to_regclass(%(qualified)s) IS NOT NULL"
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM {schema}.schema_version"
-LOCK_SCHEMA = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s))"
+# Taken inside a transaction, released at its end; the namespace says what it guards.
+ADVISORY_XACT_LOCK = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s))"
 
 CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {schema}"
 CREATE_VERSION_TABLE = """
@@ -307,9 +307,6 @@ LEASE_STATE = "SELECT status, lease_token FROM {schema}.tasks WHERE id = %(task_
 
 # -- the sweeper -------------------------------------------------------------------------
 
-# Serialises sweeps of one schema so recovery events commit in id order: a reader that
-# remembers the last id it saw can never skip an event.
-LOCK_SWEEP = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s))"
 
 SWEEP_BATCH = """
     WITH expired AS (
@@ -350,24 +347,24 @@ RECOVERY_EVENTS_AFTER = """
 
 # -- inspecting and steering -------------------------------------------------------------
 
-GET_TASK = """
-    SELECT id, queue, status, priority, attempts, max_attempts, payload, result, last_error,
-           idempotency_key, run_at, lease_expires_at, worker_id, created_at, updated_at,
-           finished_at
-    FROM {schema}.tasks WHERE id = %(task_id)s
+_TASK_COLUMNS = """
+    id, queue, status, priority, attempts, max_attempts, payload, result, last_error,
+    idempotency_key, run_at, lease_expires_at, worker_id, created_at, updated_at, finished_at
 """
 
-LIST_TASKS = """
-    SELECT id, queue, status, priority, attempts, max_attempts, payload, result, last_error,
-           idempotency_key, run_at, lease_expires_at, worker_id, created_at, updated_at,
-           finished_at
-    FROM {schema}.tasks
+GET_TASK = "SELECT" + _TASK_COLUMNS + "FROM {schema}.tasks WHERE id = %(task_id)s"
+
+LIST_TASKS = (
+    "SELECT"
+    + _TASK_COLUMNS
+    + """FROM {schema}.tasks
     WHERE id > %(after_id)s
       AND (%(status)s::text IS NULL OR status = %(status)s)
       AND (%(queue)s::text IS NULL OR queue = %(queue)s)
     ORDER BY id
     LIMIT %(limit)s
 """
+)
 
 STATS = """
     SELECT queue, status, count(*),
@@ -485,15 +482,7 @@ def notify_channel(schema: str) -> str:
 @lru_cache(maxsize=256)
 def compose_claim(schema: str, limit: int) -> str:
     """The claim statement for ``schema`` with ``limit`` written in as a literal."""
-    return (
-        sql.SQL(CLAIM)
-        .format(
-            schema=sql.Identifier(schema),
-            lease_tokens=sql.Literal(sql.Identifier(schema, "lease_tokens").as_string(None)),
-            limit=sql.Literal(limit),
-        )
-        .as_string(None)
-    )
+    return _render(CLAIM, schema, limit=sql.Literal(limit))
 
 
 def compose_grant(template: str, schema: str, role: str) -> str:
@@ -508,11 +497,16 @@ def compose_grant(template: str, schema: str, role: str) -> str:
 @lru_cache(maxsize=1024)
 def compose(template: str, schema: str) -> str:
     """Render a template for ``schema``, quoting the schema name as an identifier."""
+    return _render(template, schema)
+
+
+def _render(template: str, schema: str, **extra: sql.Composable) -> str:
     return (
         sql.SQL(template)
         .format(
             schema=sql.Identifier(schema),
             lease_tokens=sql.Literal(sql.Identifier(schema, "lease_tokens").as_string(None)),
+            **extra,
         )
         .as_string(None)
     )

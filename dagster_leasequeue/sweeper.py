@@ -29,7 +29,9 @@ def sweep_expired(
     while limit is None or len(recovered) < limit:
         size = batch_size if limit is None else min(batch_size, limit - len(recovered))
         with conn.transaction():
-            conn.execute(sql.LOCK_SWEEP, lock_params)
+            # Sweeps of one schema take turns per batch, so recovery events commit in id
+            # order: a reader that remembers the last id it saw can never skip one.
+            conn.execute(sql.ADVISORY_XACT_LOCK, lock_params)
             rows = conn.execute(statement, {"limit": size}).fetchall()
         recovered.extend(RecoveredTask(*row[:6]) for row in rows)
         if len(rows) < size:

@@ -319,3 +319,23 @@ def test_importing_the_package_does_not_import_dagster() -> None:
     code = "import sys, dagster_leasequeue; print('dagster' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_run_tagged_with_a_queue_works_that_queue(
+    example_env: LeaseQueue, instance: dg.DagsterInstance
+) -> None:
+    task_id = example_env.enqueue({"n": 1}, queue="reports")
+
+    @dg.op
+    def take(leasequeue: LeaseQueueResource) -> int:
+        lease = leasequeue.claim()
+        assert lease is not None
+        lease.ack()
+        return lease.task_id
+
+    @dg.job(resource_defs={"leasequeue": LeaseQueueResource(queue="documents")})
+    def tagged() -> None:
+        take()
+
+    result = tagged.execute_in_process(instance=instance, tags={"leasequeue/queue": "reports"})
+    assert result.output_for_node("take") == task_id

@@ -291,10 +291,7 @@ def test_a_database_at_an_older_version_is_migrated(
         task_id = queue.enqueue({"kept": True})
     assert queue.installed_version() == 1
     with pytest.raises(SchemaNotInstalled, match="is at version 1"):
-        from dagster_leasequeue.schema import require_installed
-
-        with queue._connection() as conn:
-            require_installed(conn, queue.schema)
+        queue.check_installed()
     assert queue.install() == len(sql.MIGRATIONS) - 1
     assert queue.installed_version() == sql.LATEST_VERSION
     assert queue.get(task_id).payload == {"kept": True}
