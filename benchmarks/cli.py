@@ -27,6 +27,7 @@ from benchmarks.db import environment, probe_round_trips
 from benchmarks.progress import Progress
 from benchmarks.report import table, write_json
 from benchmarks.results import Results
+from dagster_leasequeue.dsn import redact
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,9 @@ def parse(argv: Sequence[str] | None) -> BenchConfig:
         description="Benchmark dagster-leasequeue against raw SQL baselines of the same run.",
     )
     default_dsn = os.environ.get("LEASEQUEUE_BENCH_DSN", presets.DEFAULT_DSN)
-    parser.add_argument("--dsn", default=default_dsn, help="PostgreSQL URL (default: %(default)s)")
+    parser.add_argument(
+        "--dsn", default=default_dsn, help=f"PostgreSQL URL (default: {redact(default_dsn)})"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: small counts, no 1M-row sweep"
     )

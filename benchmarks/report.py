@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dagster_leasequeue.dsn import redact
+
 
 def table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A titled, aligned table; text columns left-aligned, numbers right-aligned."""
@@ -69,4 +71,5 @@ def to_jsonable(value: Any) -> Any:
 
 def write_json(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_jsonable(payload), indent=2) + "\n")
+    # The results hold the DSN; a password in it must not reach a file that gets committed.
+    path.write_text(redact(json.dumps(to_jsonable(payload), indent=2)) + "\n")
