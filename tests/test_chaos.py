@@ -50,6 +50,11 @@ def effects_per_task(queue: LeaseQueue) -> dict[int, int]:
     return {int(task_id): int(count) for task_id, count in rows}
 
 
+def finished(queue: LeaseQueue) -> int:
+    counts = queue.stats().counts
+    return counts["done"] + counts["dead"] + counts["cancelled"]
+
+
 def holding_a_lease(
     queue: LeaseQueue, pool: list[subprocess.Popen[str]]
 ) -> list[subprocess.Popen[str]]:
@@ -91,13 +96,17 @@ def test_sigkill_chaos_loses_nothing_and_writes_each_effect_once(
     chaos_long: bool,
     figures: dict[str, dict[str, object]],  # type: ignore[no-untyped-def]
 ) -> None:
-    tasks, kills_wanted, workers = (3000, 150, 4) if chaos_long else (300, 20, 3)
+    # Enough work (about 80 ms a task) that the queue outlasts the kills: every kill then
+    # hits a worker mid-task.
+    tasks, kills_wanted, workers = (4000, 150, 4) if chaos_long else (600, 20, 3)
     lease = 1.0
+    work = ("--lease", str(lease), "--work-min", "0.05", "--work-max", "0.11")
     queue: LeaseQueue = make_queue(pool_size=4)
     queue.install()
     create_effects(queue)
-    ids = queue.enqueue_many([{"n": n} for n in range(tasks)])
-    pool = [start_worker(dsn, queue, "drain", "--lease", str(lease)) for _ in range(workers)]
+    # A task may be hit by several kills: it must come back each time, not die.
+    ids = queue.enqueue_many([{"n": n} for n in range(tasks)], max_attempts=1000)
+    pool = [start_worker(dsn, queue, "drain", *work) for _ in range(workers)]
     kill_times: dict[int, float] = {}
     sweeper = Sweeper(queue)
     sweeper.start()
@@ -108,8 +117,8 @@ def test_sigkill_chaos_loses_nothing_and_writes_each_effect_once(
             victim.send_signal(signal.SIGKILL)
             kill_times[victim.pid] = time.time()
             victim.wait()
-            pool[pool.index(victim)] = start_worker(dsn, queue, "drain", "--lease", str(lease))
-        wait_until(lambda: queue.stats().counts["done"] == tasks, 600, "every task to be done")
+            pool[pool.index(victim)] = start_worker(dsn, queue, "drain", *work)
+        wait_until(lambda: finished(queue) == tasks, 600, "every task to finish")
     finally:
         for worker in pool:
             worker.kill()
