@@ -42,14 +42,13 @@ from dagster_leasequeue import (
     __version__,
 )
 from dagster_leasequeue.embedded import server_status, start_server, stop_server
-from dagster_leasequeue.models import STATUSES
+from dagster_leasequeue.models import FINISHED, STATUSES
 from dagster_leasequeue.payloads import encode_object
 
 logger = logging.getLogger("dagster_leasequeue.cli")
 
 # enqueue --file sends this many payloads per enqueue_many statement.
 ENQUEUE_CHUNK = 1000
-FINISHED_STATUSES = ("done", "dead", "cancelled")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"(?:\d+(?:\.\d+)?[smhd])+|\d+(?:\.\d+)?")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
@@ -582,7 +581,7 @@ def sweep(ctx: click.Context, as_json: bool) -> None:
 @click.option(
     "--status",
     "statuses",
-    type=click.Choice(FINISHED_STATUSES),
+    type=click.Choice(FINISHED),
     multiple=True,
     default=("done", "cancelled"),
     show_default=True,

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 Status = Literal["enqueued", "processing", "done", "dead", "cancelled"]
 STATUSES: tuple[Status, ...] = ("enqueued", "processing", "done", "dead", "cancelled")
+FINISHED: tuple[Status, ...] = ("done", "dead", "cancelled")
 
 RecoveryAction = Literal["requeued", "dead"]
 

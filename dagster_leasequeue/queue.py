@@ -25,6 +25,7 @@ from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, TaskNotFound
 from .lease import Lease
 from .models import (
+    FINISHED,
     STATUSES,
     AttemptRecord,
     QueueStats,
@@ -458,10 +459,9 @@ class LeaseQueue:
         them: they usually need a look first.
         """
         chosen = list(statuses)
-        finished = {"done", "dead", "cancelled"}
-        if not chosen or not set(chosen) <= finished:
+        if not chosen or not set(chosen) <= set(FINISHED):
             raise ConfigurationError(
-                f"purge statuses must be among {sorted(finished)}, got {chosen}"
+                f"purge statuses must be among {sorted(FINISHED)}, got {chosen}"
             )
         if (
             isinstance(older_than, bool)

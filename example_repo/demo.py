@@ -22,6 +22,7 @@ import dagster as dg
 from psycopg import sql
 
 from dagster_leasequeue import LeaseQueue
+from dagster_leasequeue.models import STATUSES
 from example_repo.definitions import QUEUE, defs
 from example_repo.documents import DOCUMENTS, results_table
 from example_repo.ticks import run_sensor_tick
@@ -167,8 +168,7 @@ def format_counts(queue: LeaseQueue) -> str:
 
 
 def format_meta_counts(meta: dict[str, Any]) -> str:
-    statuses = ("enqueued", "processing", "done", "dead", "cancelled")
-    return ", ".join(f"{meta[s]} {s}" for s in statuses if meta.get(s))
+    return ", ".join(f"{meta[s]} {s}" for s in STATUSES if meta.get(s))
 
 
 def wait_for(check: Any, what: str, timeout: float = 120) -> Any:
