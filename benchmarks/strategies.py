@@ -104,10 +104,16 @@ class PackageSqlDrainer(BareDrainer):
             "lease_seconds": None,
             "default_lease": LEASE_SECONDS,
         }
+        self._token_column: int | None = None
 
     def claim(self) -> list[tuple[int, int]]:
-        rows = self._conn.execute(self._claim, self._params).fetchall()
-        return [(int(row[0]), int(row[7])) for row in rows]  # id, lease token
+        cursor = self._conn.execute(self._claim, self._params)
+        rows = cursor.fetchall()
+        if rows and self._token_column is None:
+            # Looked up by name: the claim's columns differ between measured revisions.
+            names = [column.name for column in cursor.description or ()]
+            self._token_column = names.index("lease_token")
+        return [(int(row[0]), int(row[self._token_column or 0])) for row in rows]
 
     def finish(self, claimed: Sequence[tuple[int, int]]) -> None:
         if self._batch == 1:

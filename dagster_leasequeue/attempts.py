@@ -117,8 +117,8 @@ def run_attempt(
             yield attempt
             encoded = encode_result(attempt.result)
             if not attempt.duplicate:
-                _mark_succeeded(conn, schema, attempt, encoded, errors)
-            if lease is not None:
+                _mark_succeeded(conn, schema, attempt, lease, encoded, errors)
+            elif lease is not None:
                 with errors():
                     lease.ack_on(conn, encoded)
             with errors():
@@ -161,11 +161,16 @@ def _mark_succeeded(
     conn: psycopg.Connection[Any],
     schema: str,
     attempt: Attempt,
+    lease: Lease | None,
     encoded_result: str | None,
     errors: Callable[[], AbstractContextManager[None]],
 ) -> None:
+    """The success mark, with the lease's fenced ack in the same statement when there is one."""
     try:
-        _finish(conn, schema, attempt, "succeeded", None, encoded_result)
+        if lease is None:
+            _finish(conn, schema, attempt, "succeeded", None, encoded_result)
+        else:
+            lease.ack_on(conn, encoded_result, succeeded_attempt=attempt.id)
     except pg_errors.UniqueViolation:
         raise _SucceededElsewhere() from None
     except psycopg.Error:

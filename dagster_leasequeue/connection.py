@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 import psycopg
-from psycopg import errors as pg_errors
+from psycopg import errors as pg_errors, pq
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .dsn import describe, redact
@@ -74,32 +76,188 @@ def open_pool(
     return pool
 
 
-@contextmanager
-def database_errors(dsn: str, schema: str) -> Iterator[None]:
-    """Map driver errors to LeaseQueueError subclasses whose messages hide the password."""
-    try:
-        yield
-    except (pg_errors.UndefinedTable, pg_errors.InvalidSchemaName):
-        raise not_installed(schema) from None
-    except pg_errors.IdleInTransactionSessionTimeout:
-        raise TransactionAbandoned(
-            "the server ended this attempt's transaction: it sat idle for longer than the "
-            "lease (was the process paused?); nothing in it was written"
-        ) from None
-    except PoolTimeout as exc:
-        raise DatabaseUnavailable(
-            f"no database connection available from the pool for {describe(dsn)}: "
-            f"{redact(str(exc), dsn)}"
-        ) from None
-    except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(
-            f"lost or could not open the connection to PostgreSQL at {describe(dsn)}: "
-            f"{redact(str(exc).strip(), dsn)}"
-        ) from None
-    except psycopg.Error as exc:
-        raise LeaseQueueError(
-            f"database error ({type(exc).__name__}): {redact(str(exc).strip(), dsn)}"
-        ) from None
+class DatabaseErrors:
+    """Map driver errors to LeaseQueueError subclasses whose messages hide the password.
+
+    A class, not a generator-based context manager: it wraps every claim and ack.
+    """
+
+    __slots__ = ("_dsn", "_schema")
+
+    def __init__(self, dsn: str, schema: str) -> None:
+        self._dsn = dsn
+        self._schema = schema
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            translated = self.translate(exc)
+            if translated is not None:
+                raise translated from None
+
+    def translate(self, exc: BaseException) -> LeaseQueueError | None:
+        """Our error for a driver error; None for anything else, which passes through."""
+        if isinstance(exc, (pg_errors.UndefinedTable, pg_errors.InvalidSchemaName)):
+            return not_installed(self._schema)
+        if isinstance(exc, pg_errors.IdleInTransactionSessionTimeout):
+            return TransactionAbandoned(
+                "the server ended this attempt's transaction: it sat idle for longer than the "
+                "lease (was the process paused?); nothing in it was written"
+            )
+        if isinstance(exc, PoolTimeout):
+            return DatabaseUnavailable(
+                f"no database connection available from the pool for {describe(self._dsn)}: "
+                f"{redact(str(exc), self._dsn)}"
+            )
+        if isinstance(exc, psycopg.OperationalError):
+            return DatabaseUnavailable(
+                f"lost or could not open the connection to PostgreSQL at "
+                f"{describe(self._dsn)}: {redact(str(exc).strip(), self._dsn)}"
+            )
+        if isinstance(exc, psycopg.Error):
+            return LeaseQueueError(
+                f"database error ({type(exc).__name__}): {redact(str(exc).strip(), self._dsn)}"
+            )
+        return None
+
+
+# What the package's statements run on: a connection, or a cursor of one.
+Executor = psycopg.Connection[Any] | psycopg.Cursor[Any]
+
+
+class CachedConnection:
+    """A connection taken from the pool, and the one cursor the queue reuses on it.
+
+    psycopg builds a new cursor for each ``conn.execute()``; on a claim or an ack that is
+    a good part of the client's CPU, so the queue's hot statements share one.
+    """
+
+    __slots__ = ("_cursor", "conn", "taken_at")
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.taken_at = time.monotonic()
+        self._cursor: psycopg.Cursor[Any] | None = None
+
+    @property
+    def cursor(self) -> psycopg.Cursor[Any]:
+        if self._cursor is None:
+            self._cursor = self.conn.cursor()
+        return self._cursor
+
+
+class ConnectionCache:
+    """Pooled connections the queue keeps between its statements, last used first.
+
+    Checking a connection out of psycopg_pool and back in costs about as much client CPU
+    as a claim's own statement, and a worker claims and acks all day. So connections the
+    queue took stay with it while idle; the pool still opens them, caps their number and
+    makes callers wait when all are busy. A connection goes back to the pool when a caller
+    is waiting for one there, when it is broken or mid-transaction (the pool discards or
+    rolls it back), when the queue closes, and after REFRESH_SECONDS, so the pool's
+    lifetime and idle limits still apply.
+    """
+
+    REFRESH_SECONDS = 300.0
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._idle: list[CachedConnection] = []
+        self._waiting = 0  # callers inside pool.getconn()
+        self._closed = False
+
+    def connection(self, errors: DatabaseErrors) -> BorrowedConnection:
+        """A context manager lending one connection, with driver errors mapped."""
+        return BorrowedConnection(self, errors)
+
+    def cursor(self, errors: DatabaseErrors) -> BorrowedCursor:
+        """A context manager lending one connection's reusable cursor, errors mapped."""
+        return BorrowedCursor(self, errors)
+
+    def acquire(self) -> CachedConnection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            self._waiting += 1
+        try:
+            return CachedConnection(self._pool.getconn())
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+    def release(self, cached: CachedConnection) -> None:
+        conn = cached.conn
+        if not (
+            conn.broken
+            or conn.closed
+            or conn.pgconn.transaction_status != pq.TransactionStatus.IDLE
+            or time.monotonic() - cached.taken_at > self.REFRESH_SECONDS
+        ):
+            with self._lock:
+                # A caller waiting in the pool only wakes for a connection given back there.
+                if not self._waiting and not self._closed:
+                    self._idle.append(cached)
+                    return
+        self._pool.putconn(conn)
+
+    def close(self) -> None:
+        """Give every idle connection back to the pool (before the pool closes)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for cached in idle:
+            self._pool.putconn(cached.conn)
+
+
+class _Borrowed:
+    __slots__ = ("_cache", "_cached", "_errors")
+
+    def __init__(self, cache: ConnectionCache, errors: DatabaseErrors) -> None:
+        self._cache = cache
+        self._errors = errors
+        self._cached: CachedConnection | None = None
+
+    def _acquire(self) -> CachedConnection:
+        with self._errors:
+            self._cached = self._cache.acquire()
+        return self._cached
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._cached is not None:
+            self._cache.release(self._cached)
+            self._cached = None
+        self._errors.__exit__(exc_type, exc, tb)
+
+
+class BorrowedConnection(_Borrowed):
+    """One block's use of a connection from a :class:`ConnectionCache`."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> psycopg.Connection[Any]:
+        return self._acquire().conn
+
+
+class BorrowedCursor(_Borrowed):
+    """One statement's use of a cached connection's reusable cursor."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> psycopg.Cursor[Any]:
+        return self._acquire().cursor
 
 
 class SharedConnection:

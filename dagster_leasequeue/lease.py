@@ -9,9 +9,8 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import psycopg
-
 from . import sql
+from .connection import Executor
 from .errors import LeaseLost, LeaseQueueError
 
 if TYPE_CHECKING:
@@ -70,7 +69,8 @@ class Lease:
         self.lease_seconds = lease_seconds
         self._lock = threading.Lock()
         self._outcome: str | None = None
-        self._lost = threading.Event()
+        # Set by the renewal thread, read by the worker; a plain attribute suffices.
+        self._lost = False
         self._renewer: _Renewer | None = None
         # The lease's end on this machine's monotonic clock, counted from before the claim
         # or renewal was sent, so never later than the database's own expiry.
@@ -98,7 +98,7 @@ class Lease:
         background, once the lease has run out without a renewal getting through (a
         renewal can hang on a dead connection without failing).
         """
-        if self._lost.is_set():
+        if self._lost:
             return True
         return self._renewer is not None and time.monotonic() >= self._local_deadline
 
@@ -115,19 +115,27 @@ class Lease:
     def ack(self, result: dict[str, Any] | None = None) -> None:
         """Mark the task done, storing ``result``; raise LeaseLost if the lease is gone."""
         encoded = self._queue._encode_result(result)
-        with self._queue._connection() as conn, self._lock:
+        with self._queue._cursor() as cursor, self._lock:
             self._refuse_if_finished("ack")
-            self.ack_on(conn, encoded)
+            self.ack_on(cursor, encoded)
             self._outcome = "acked"
 
-    def ack_on(self, conn: psycopg.Connection[Any], encoded_result: str | None) -> None:
+    def ack_on(
+        self, conn: Executor, encoded_result: str | None, *, succeeded_attempt: int | None = None
+    ) -> None:
         """Run the fenced ack on ``conn``, inside the caller's transaction if it has one.
 
         The caller marks the lease finished once that transaction commits (see
         :meth:`mark_acked`); this is how an attempt makes its effects and the ack atomic.
+        With ``succeeded_attempt``, the same statement marks that attempt succeeded.
         """
         params = self._fence_params() | {"result": encoded_result}
-        if conn.execute(self._statement(sql.ACK), params).fetchone() is None:
+        if succeeded_attempt is None:
+            row = conn.execute(self._statement(sql.ACK), params).fetchone()
+        else:
+            params["attempt_id"] = succeeded_attempt
+            row = conn.execute(self._statement(sql.SUCCEED_AND_ACK), params).fetchone()
+        if row is None:
             self._raise_lost(conn, "ack")
 
     def mark_acked(self) -> None:
@@ -144,12 +152,12 @@ class Lease:
         """
         if retry_in is not None and not retry_in >= 0:
             raise ValueError(f"retry_in must be 0 or more seconds, got {retry_in!r}")
-        with self._queue._connection() as conn:
-            return self.fail_on(conn, error, retry_in=retry_in)
+        with self._queue._cursor() as cursor:
+            return self.fail_on(cursor, error, retry_in=retry_in)
 
     def fail_on(
         self,
-        conn: psycopg.Connection[Any],
+        conn: Executor,
         error: str | BaseException,
         *,
         retry_in: float | None = None,
@@ -230,7 +238,7 @@ class Lease:
                 f"cannot {action} task {self.task_id}: this lease already {self._outcome} it"
             )
 
-    def _raise_lost(self, conn: psycopg.Connection[Any], action: str) -> NoReturn:
+    def _raise_lost(self, conn: Executor, action: str) -> NoReturn:
         row = conn.execute(self._statement(sql.LEASE_STATE), {"task_id": self.task_id}).fetchone()
         if row is None:
             reason = "the task no longer exists"
@@ -277,7 +285,7 @@ class _Renewer(threading.Thread):
                         lease.task_id,
                         lease.token,
                     )
-                    lease._lost.set()
+                    lease._lost = True
                 return
             except LeaseQueueError as exc:
                 # The database may be restarting: keep trying until the lease runs out.
@@ -285,7 +293,7 @@ class _Renewer(threading.Thread):
                 if time.monotonic() >= lease._local_deadline:
                     # Unrenewed past its end, the lease may be swept and claimed elsewhere.
                     logger.warning("lease on task %s lapsed; the worker should stop", lease.task_id)
-                    lease._lost.set()
+                    lease._lost = True
                     return
 
     @staticmethod

@@ -19,7 +19,13 @@ from psycopg_pool import ConnectionPool
 
 from . import schema as schema_module, sql
 from .attempts import Attempt, attempt_key, run_attempt
-from .connection import SharedConnection, connection_options, database_errors, open_pool
+from .connection import (
+    ConnectionCache,
+    DatabaseErrors,
+    SharedConnection,
+    connection_options,
+    open_pool,
+)
 from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, TaskNotFound
@@ -92,6 +98,8 @@ class LeaseQueue:
             options=options,
             name=f"leasequeue-{self.schema}",
         )
+        self._connections = ConnectionCache(self._pool)
+        self._database_errors = DatabaseErrors(dsn, self.schema)
         self._renewals = SharedConnection(dsn, options)
         self._listener = Listener(dsn, self.schema, options)
         self._notify = {
@@ -123,6 +131,7 @@ class LeaseQueue:
         """Close the connection pool. Leases still held simply expire and are swept."""
         if not self._closed.is_set():
             self._closed.set()
+            self._connections.close()
             self._pool.close()
             self._renewals.close()
             self._listener.close()
@@ -198,11 +207,11 @@ class LeaseQueue:
             "run_at": _check_run_at(run_at, delay),
             "delay": _check_delay(delay),
         } | self._notify
-        with self._connection() as conn:
+        with self._cursor() as cursor:
             for _ in range(_ENQUEUE_RETRIES):
-                row = conn.execute(self._sql(sql.ENQUEUE), params).fetchone()
+                row = cursor.execute(self._sql(sql.ENQUEUE), params).fetchone()
                 if row is None:
-                    row = conn.execute(self._sql(sql.FIND_UNFINISHED_BY_KEY), params).fetchone()
+                    row = cursor.execute(self._sql(sql.FIND_UNFINISHED_BY_KEY), params).fetchone()
                 if row is not None:
                     return int(row[0])
         raise ConfigurationError(  # pragma: no cover - needs a task finishing at every retry
@@ -234,8 +243,8 @@ class LeaseQueue:
             "max_attempts": self._max_attempts(max_attempts),
             "payloads": encoded,
         } | self._notify
-        with self._connection() as conn:
-            rows = conn.execute(self._sql(sql.ENQUEUE_MANY), params).fetchall()
+        with self._cursor() as cursor:
+            rows = cursor.execute(self._sql(sql.ENQUEUE_MANY), params).fetchall()
         # Identity values are drawn in the order the rows were inserted.
         return sorted(int(row[0]) for row in rows)
 
@@ -276,9 +285,11 @@ class LeaseQueue:
             raise ConfigurationError(f"limit must be a whole number of at least 1, got {limit!r}")
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
             raise ConfigurationError(f"wait must be 0 or more seconds, got {wait!r}")
+        queue = _check_queue(queue)
+        worker = worker_id or self.default_worker_id
         params = {
-            "queue": _check_queue(queue),
-            "worker_id": worker_id or self.default_worker_id,
+            "queue": queue,
+            "worker_id": worker,
             "lease_seconds": _check_positive("lease_seconds", lease_seconds),
             "default_lease": self.settings.lease_seconds,
         }
@@ -288,30 +299,31 @@ class LeaseQueue:
                 self._listener.listen()
         while True:
             sent = time.monotonic()
-            with self._connection() as conn:
-                rows = conn.execute(sql.compose_claim(self.schema, limit), params).fetchall()
+            with self._cursor() as cursor:
+                rows = cursor.execute(sql.compose_claim(self.schema, limit), params).fetchall()
             remaining = deadline - time.monotonic()
             if rows or remaining <= 0:
                 break
             with self._errors():
                 # Delayed and retried tasks send no notification: look again each second.
                 self._listener.wait(min(remaining, _POLL_SECONDS))
-        # UPDATE ... RETURNING gives no order; restore the claim's.
-        rows.sort(key=lambda row: (-row[3], row[4], row[0]))
+        if len(rows) > 1:
+            # UPDATE ... RETURNING gives no order; restore the claim's.
+            rows.sort(key=lambda row: (-row[2], row[3], row[0]))
         return [
             Lease(
                 self,
                 task_id=row[0],
-                queue_name=row[1],
-                payload=row[2],
-                priority=row[3],
-                attempt=row[5],
-                max_attempts=row[6],
-                token=row[7],
-                expires_at=row[8],
-                worker_id=row[9],
-                idempotency_key=row[10],
-                lease_seconds=float(row[11]),
+                queue_name=queue,
+                payload=row[1],
+                priority=row[2],
+                attempt=row[4],
+                max_attempts=row[5],
+                token=row[6],
+                expires_at=row[7],
+                worker_id=worker,
+                idempotency_key=row[8],
+                lease_seconds=row[9],
                 claimed_at=sent,
             )
             for row in rows
@@ -429,8 +441,8 @@ class LeaseQueue:
             "tokens": [lease.token for lease in held],
             "results": encoded,
         }
-        with self._connection() as conn:
-            acked = {int(row[0]) for row in conn.execute(self._sql(sql.ACK_MANY), params)}
+        with self._cursor() as cursor:
+            acked = {int(row[0]) for row in cursor.execute(self._sql(sql.ACK_MANY), params)}
         for lease in held:
             if lease.task_id in acked:
                 lease.mark_acked()
@@ -557,11 +569,13 @@ class LeaseQueue:
 
     # -- internals shared with Lease and the attempts ---------------------------------------
 
-    @contextmanager
-    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+    def _connection(self) -> AbstractContextManager[psycopg.Connection[Any]]:
         """A pooled connection for the package's own statements, with errors mapped."""
-        with self._errors(), self._pool.connection() as conn:
-            yield conn
+        return self._connections.connection(self._database_errors)
+
+    def _cursor(self) -> AbstractContextManager[psycopg.Cursor[Any]]:
+        """A pooled connection's reusable cursor, for the hot statements (claim, ack)."""
+        return self._connections.cursor(self._database_errors)
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -571,12 +585,12 @@ class LeaseQueue:
         with ``SET`` are reset before the connection goes back to the pool.
         """
         with self._errors():
-            conn = self._pool.getconn()
+            cached = self._connections.acquire()
         try:
-            yield conn
+            yield cached.conn
         finally:
-            _reset_session(conn)
-            self._pool.putconn(conn)
+            _reset_session(cached.conn)
+            self._connections.release(cached)
 
     @contextmanager
     def _renewal_connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -584,7 +598,7 @@ class LeaseQueue:
             yield conn
 
     def _errors(self) -> AbstractContextManager[None]:
-        return database_errors(self._dsn, self.schema)
+        return self._database_errors
 
     def _sql(self, template: str) -> str:
         return sql.compose(template, self.schema)

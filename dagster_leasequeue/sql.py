@@ -243,8 +243,8 @@ CLAIM = """
         updated_at = clock_timestamp()
     FROM picked
     WHERE t.id = picked.id
-    RETURNING t.id, t.queue, t.payload, t.priority, t.run_at, t.attempts, t.max_attempts,
-              t.lease_token, t.lease_expires_at, t.worker_id, t.idempotency_key,
+    RETURNING t.id, t.payload, t.priority, t.run_at, t.attempts, t.max_attempts,
+              t.lease_token, t.lease_expires_at, t.idempotency_key,
               coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)
 """
 
@@ -451,6 +451,21 @@ BEGIN_ATTEMPT = """
               -- the session ends if left idle inside the attempt's transaction this long
               set_config('idle_in_transaction_session_timeout', %(idle_milliseconds)s, false)
 """
+
+# An attempt's success mark and its lease's fenced ack in one statement (one round trip);
+# it returns no row when the ack found the lease gone. Both run in the attempt's transaction.
+SUCCEED_AND_ACK = (
+    """
+    WITH succeeded AS (
+        UPDATE {schema}.attempts
+        SET outcome = 'succeeded', result = %(result)s::jsonb, finished_at = clock_timestamp()
+        WHERE id = %(attempt_id)s
+    ), acked AS ("""
+    + ACK
+    + """)
+    SELECT id FROM acked
+"""
+)
 
 FINISH_ATTEMPT = """
     UPDATE {schema}.attempts
