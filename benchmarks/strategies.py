@@ -163,8 +163,11 @@ class AttemptPackageDrainer(PackageDrainer):
 
     def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
         super().__init__(dsn, schema, batch, prepared)
-        self._effect = sql.SQL("INSERT INTO {} (task_id) VALUES (%s)").format(
-            sql.Identifier(schema, EFFECTS_TABLE)
+        # Rendered once, as a worker would hold its statement.
+        self._effect = (
+            sql.SQL("INSERT INTO {} (task_id) VALUES (%s)")
+            .format(sql.Identifier(schema, EFFECTS_TABLE))
+            .as_string(None)
         )
 
     def finish(self, claimed: Sequence[Lease]) -> None:

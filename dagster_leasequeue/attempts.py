@@ -12,7 +12,7 @@ work, so a paused process never holds its replacement up.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from . import sql
+from .connection import commit_and_reset_session, reset_session
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TransactionAbandoned
 from .lease import Lease, _describe_error
 
@@ -91,26 +92,46 @@ def run_attempt(
     that transaction for ``idle_timeout`` seconds (a paused process) is ended by the server,
     releasing whatever rows it locked for the worker that took its place.
     """
-    with errors():
-        row = conn.execute(
-            sql.compose(sql.BEGIN_ATTEMPT, schema),
-            {
-                "key": key,
-                "task_id": lease.task_id if lease else None,
-                "worker_id": worker_id,
-                "idle_milliseconds": str(int(idle_timeout * 1000)),
-            },
-        ).fetchone()
-    assert row is not None
-    attempt = Attempt(
-        key=key,
-        attempt_id=row[0],
-        number=row[1],
-        duplicate=row[2],
-        result=row[3],
-        abandoned=row[4],
-        connection=conn,
-    )
+    # The session is reset when the attempt ends: by its commit, else in the finally below.
+    session_reset = False
+    try:
+        with errors():
+            row = conn.execute(
+                sql.compose(sql.BEGIN_ATTEMPT, schema),
+                {
+                    "key": key,
+                    "task_id": lease.task_id if lease else None,
+                    "worker_id": worker_id,
+                    "idle_milliseconds": str(int(idle_timeout * 1000)),
+                },
+            ).fetchone()
+        assert row is not None
+        attempt = Attempt(
+            key=key,
+            attempt_id=row[0],
+            number=row[1],
+            duplicate=row[2],
+            result=row[3],
+            abandoned=row[4],
+            connection=conn,
+        )
+        session_reset = yield from _run(conn, schema, attempt, lease, errors, encode_result)
+    finally:
+        if not session_reset:
+            reset_session(conn)
+
+
+def _run(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    attempt: Attempt,
+    lease: Lease | None,
+    errors: Callable[[], AbstractContextManager[None]],
+    encode_result: Callable[[dict[str, Any] | None], str | None],
+) -> Generator[Attempt, None, bool]:
+    """The work's transaction, its commit and what follows; True if the commit reset the
+    session."""
+    committed = False
     try:
         conn.autocommit = False
         try:
@@ -122,7 +143,8 @@ def run_attempt(
                 with errors():
                     lease.ack_on(conn, encoded)
             with errors():
-                conn.commit()
+                commit_and_reset_session(conn)
+            committed = True
         except BaseException:
             _rollback(conn)
             raise
@@ -146,6 +168,7 @@ def run_attempt(
         raise
     if lease is not None:
         lease.mark_acked()
+    return committed
 
 
 def _rollback(conn: psycopg.Connection[Any]) -> None:

@@ -15,6 +15,7 @@ import psycopg
 from psycopg import errors as pg_errors, pq
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from . import sql
 from .dsn import describe, redact
 from .errors import DatabaseUnavailable, LeaseQueueError, TransactionAbandoned
 from .schema import not_installed
@@ -195,11 +196,10 @@ class ConnectionCache:
 
     def release(self, cached: CachedConnection) -> None:
         conn = cached.conn
-        if not (
-            conn.broken
-            or conn.closed
-            or conn.pgconn.transaction_status != pq.TransactionStatus.IDLE
-            or time.monotonic() - cached.taken_at > self.REFRESH_SECONDS
+        # IDLE also means open and unbroken: libpq reports UNKNOWN for a lost connection.
+        if (
+            conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
+            and time.monotonic() - cached.taken_at <= self.REFRESH_SECONDS
         ):
             with self._lock:
                 # A caller waiting in the pool only wakes for a connection given back there.
@@ -258,6 +258,24 @@ class BorrowedCursor(_Borrowed):
 
     def __enter__(self) -> psycopg.Cursor[Any]:
         return self._acquire().cursor
+
+
+def reset_session(conn: psycopg.Connection[Any]) -> None:
+    """Undo what caller code may have set on a lent connection (a role, a search path)."""
+    if conn.closed or conn.broken:
+        return
+    try:
+        if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+            conn.rollback()
+        conn.execute(sql.RESET_SESSION)
+    except psycopg.Error:
+        conn.close()  # the pool discards a closed connection
+
+
+def commit_and_reset_session(conn: psycopg.Connection[Any]) -> None:
+    """Commit, then reset the session as :func:`reset_session` does, in one round trip."""
+    # Two statements in one simple query; never prepared (a prepared statement holds one).
+    conn.execute(sql.COMMIT_AND_RESET_SESSION, prepare=False)
 
 
 class SharedConnection:

@@ -25,6 +25,7 @@ from .connection import (
     SharedConnection,
     connection_options,
     open_pool,
+    reset_session,
 )
 from .dsn import describe
 from .embedded import embedded_dsn
@@ -547,7 +548,7 @@ class LeaseQueue:
             lease.raise_if_lost()
         worker = worker_id or (lease.worker_id if lease else None) or self.default_worker_id
         with (
-            self.connection() as conn,
+            self._lent_connection() as conn,
             run_attempt(
                 conn,
                 schema=self.schema,
@@ -584,12 +585,20 @@ class LeaseQueue:
         Errors of your statements pass through as psycopg raised them. Settings you change
         with ``SET`` are reset before the connection goes back to the pool.
         """
+        with self._lent_connection() as conn:
+            try:
+                yield conn
+            finally:
+                reset_session(conn)
+
+    @contextmanager
+    def _lent_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection whose borrower resets the session before giving it back."""
         with self._errors():
             cached = self._connections.acquire()
         try:
             yield cached.conn
         finally:
-            _reset_session(cached.conn)
             self._connections.release(cached)
 
     @contextmanager
@@ -672,15 +681,3 @@ def _check_run_at(run_at: datetime | None, delay: float | None) -> datetime | No
             "run_at must be a timezone-aware datetime, for example datetime.now(timezone.utc)"
         )
     return run_at
-
-
-def _reset_session(conn: psycopg.Connection[Any]) -> None:
-    """Undo what caller code may have set on a lent connection (a role, a search path)."""
-    if conn.closed or conn.broken:
-        return
-    try:
-        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            conn.rollback()
-        conn.execute("RESET ALL")
-    except psycopg.Error:
-        conn.close()  # the pool discards a closed connection

@@ -219,20 +219,16 @@ LISTEN = "LISTEN {channel}"
 
 # -- claiming and the lease -------------------------------------------------------------
 
-# The rows are locked in a CTE with LIMIT: "id IN (SELECT ... LIMIT n FOR UPDATE SKIP
-# LOCKED)" may be re-evaluated by the planner and claim more than n rows. The limit is
-# written into the statement (see compose_claim), not passed as a parameter: with a
-# parameter the planner cannot see it, so a prepared claim is planned again on every call,
-# and the generic plan it would settle on scans the whole table.
-CLAIM = """
-    WITH picked AS (
+# The claim: the due rows of a queue, highest priority first, locked so that concurrent
+# claimers skip each other, then leased under a new fencing token.
+_CLAIM_PICK = """
         SELECT id FROM {schema}.tasks
         WHERE status = 'enqueued' AND queue = %(queue)s AND run_at <= clock_timestamp()
         ORDER BY priority DESC, run_at, id
         LIMIT {limit}
         FOR UPDATE SKIP LOCKED
-    )
-    UPDATE {schema}.tasks AS t
+"""
+_CLAIM_SET = """
     SET status = 'processing',
         attempts = t.attempts + 1,
         lease_token = nextval({lease_tokens}::regclass),
@@ -241,12 +237,37 @@ CLAIM = """
                 secs => coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)),
         worker_id = %(worker_id)s,
         updated_at = clock_timestamp()
-    FROM picked
-    WHERE t.id = picked.id
+"""
+_CLAIM_RETURNING = """
     RETURNING t.id, t.payload, t.priority, t.run_at, t.attempts, t.max_attempts,
               t.lease_token, t.lease_expires_at, t.idempotency_key,
               coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)
 """
+
+# One task: the scalar subquery runs once, as an InitPlan, so it locks one row; the plan
+# is cheaper than a join with a CTE.
+CLAIM_ONE = (
+    "UPDATE {schema}.tasks AS t"
+    + _CLAIM_SET
+    + "WHERE t.id = ("
+    + _CLAIM_PICK
+    + ")"
+    + _CLAIM_RETURNING
+)
+
+# Many tasks: the rows are locked in a CTE with LIMIT, because "id IN (SELECT ... LIMIT n
+# FOR UPDATE SKIP LOCKED)" may be re-evaluated by the planner and claim more than n rows.
+# In both, the limit is written into the statement (see compose_claim), not passed as a
+# parameter: with a parameter the planner cannot see it, so a prepared claim is planned
+# again on every call, and the generic plan it would settle on scans the whole table.
+CLAIM_MANY = (
+    "WITH picked AS ("
+    + _CLAIM_PICK
+    + ") UPDATE {schema}.tasks AS t"
+    + _CLAIM_SET
+    + "FROM picked WHERE t.id = picked.id"
+    + _CLAIM_RETURNING
+)
 
 # Fencing: every lease operation matches the token of this claim and the status it left.
 # ack and fail keep the token on the row (the sweeper and cancel clear it), so a holder
@@ -467,11 +488,13 @@ SUCCEED_AND_ACK = (
 """
 )
 
+# Only an unfinished attempt (or one another attempt took for dead while it still ran)
+# gets an outcome: a committed success is never overwritten.
 FINISH_ATTEMPT = """
     UPDATE {schema}.attempts
     SET outcome = %(outcome)s, error = %(error)s, result = %(result)s::jsonb,
         finished_at = clock_timestamp()
-    WHERE id = %(attempt_id)s
+    WHERE id = %(attempt_id)s AND outcome IN ('running', 'abandoned')
 """
 
 SUCCESS_FOR_KEY = """
@@ -482,6 +505,15 @@ ATTEMPTS_FOR_KEY = """
     SELECT id, key, attempt, task_id, worker_id, outcome, error, result, started_at, finished_at
     FROM {schema}.attempts WHERE key = %(key)s ORDER BY id
 """
+
+
+# -- lent connections ---------------------------------------------------------------------
+
+# What a borrower may have set on a lent connection (a role, a search path, a timeout) is
+# undone before the connection is used again.
+RESET_SESSION = "RESET ALL"
+# An attempt's commit and that reset in one round trip (two statements in one simple query).
+COMMIT_AND_RESET_SESSION = "COMMIT; " + RESET_SESSION
 
 
 def listen_statement(schema: str) -> str:
@@ -497,7 +529,7 @@ def notify_channel(schema: str) -> str:
 @lru_cache(maxsize=256)
 def compose_claim(schema: str, limit: int) -> str:
     """The claim statement for ``schema`` with ``limit`` written in as a literal."""
-    return _render(CLAIM, schema, limit=sql.Literal(limit))
+    return _render(CLAIM_ONE if limit == 1 else CLAIM_MANY, schema, limit=sql.Literal(limit))
 
 
 def compose_grant(template: str, schema: str, role: str) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import pytest
 
@@ -216,3 +218,32 @@ def test_an_attempt_key_cannot_block_the_sweeper(queue: LeaseQueue) -> None:
 def test_attempt_needs_a_key_or_a_lease(queue: LeaseQueue) -> None:
     with pytest.raises(ConfigurationError, match="needs a key"), queue.attempt():
         pass
+
+
+def session_setting(queue: LeaseQueue, name: str) -> str:
+    with queue.connection() as conn:
+        return str(conn.execute(f"SELECT current_setting('{name}')").fetchone()[0])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("ending", ["success", "error", "duplicate"])
+def test_settings_made_in_an_attempt_do_not_outlive_it(
+    make_queue: Callable[..., LeaseQueue], ending: str
+) -> None:
+    # A pool of one: the next borrower gets the attempt's own connection.
+    queue = make_queue(pool_size=1)
+    queue.install()
+    default_work_mem = session_setting(queue, "work_mem")
+    default_idle_timeout = session_setting(queue, "idle_in_transaction_session_timeout")
+    if ending == "duplicate":
+        with queue.attempt("report") as first:
+            assert not first.duplicate
+    expected_error = pytest.raises(RuntimeError) if ending == "error" else nullcontext()
+    with expected_error, queue.attempt("report") as attempt:
+        assert attempt.duplicate == (ending == "duplicate")
+        attempt.connection.execute("SET work_mem = '7MB'")
+        if ending == "error":
+            raise RuntimeError("the work failed")
+    assert session_setting(queue, "work_mem") == default_work_mem
+    # Nor does the attempt's own idle-in-transaction timeout.
+    idle_timeout = session_setting(queue, "idle_in_transaction_session_timeout")
+    assert idle_timeout == default_idle_timeout
