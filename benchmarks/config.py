@@ -37,7 +37,7 @@ class BenchConfig:
     poll_intervals_ms: tuple[int, ...] = (10, 100)
     poll_samples: int = 30
     memory_strategy: str = "lq_batch"
-    memory_tasks: int = 100_000
+    memory_tasks: int = 1_000_000
     sections: tuple[str, ...] = SECTIONS
     output: Path = RESULTS_DIR / "latest.json"
     plot: Path | None = RESULTS_DIR / "latest.png"

@@ -451,6 +451,12 @@ RETRY_DEAD = """
 # way elsewhere (a zombie and its replacement, say): both are marked abandoned; one that is
 # in fact alive sets its own outcome when it ends. Then the key's success, if any, and a
 # new row recording this attempt.
+#
+# Its commit does not wait for the disk (synchronous_commit off, for this transaction
+# only): a crash of the server may lose this start record and the abandoned marks, which
+# only lose a record of attempts that are over, since the crash ended them too. Every
+# commit that matters (the success, the ack) is synchronous and, being later in the WAL,
+# makes this record durable with it.
 BEGIN_ATTEMPT = """
     WITH abandoned AS (
         UPDATE {schema}.attempts SET outcome = 'abandoned', finished_at = clock_timestamp()
@@ -470,7 +476,8 @@ BEGIN_ATTEMPT = """
     RETURNING id, attempt, outcome = 'skipped',
               (SELECT result FROM previous), (SELECT count(*) FROM abandoned),
               -- the session ends if left idle inside the attempt's transaction this long
-              set_config('idle_in_transaction_session_timeout', %(idle_milliseconds)s, false)
+              set_config('idle_in_transaction_session_timeout', %(idle_milliseconds)s, false),
+              set_config('synchronous_commit', 'off', true)
 """
 
 # An attempt's success mark and its lease's fenced ack in one statement (one round trip);

@@ -234,6 +234,7 @@ def test_settings_made_in_an_attempt_do_not_outlive_it(
     queue.install()
     default_work_mem = session_setting(queue, "work_mem")
     default_idle_timeout = session_setting(queue, "idle_in_transaction_session_timeout")
+    default_synchronous_commit = session_setting(queue, "synchronous_commit")
     if ending == "duplicate":
         with queue.attempt("report") as first:
             assert not first.duplicate
@@ -247,3 +248,5 @@ def test_settings_made_in_an_attempt_do_not_outlive_it(
     # Nor does the attempt's own idle-in-transaction timeout.
     idle_timeout = session_setting(queue, "idle_in_transaction_session_timeout")
     assert idle_timeout == default_idle_timeout
+    # The start record's asynchronous commit was for its own transaction only.
+    assert session_setting(queue, "synchronous_commit") == default_synchronous_commit
