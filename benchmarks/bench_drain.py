@@ -43,14 +43,15 @@ def drain(
 
 
 def run_matrix(config: BenchConfig, log: Progress) -> list[DrainResult]:
-    """Every strategy at every worker count, ``rounds`` times, the order rotated per round.
+    """Every strategy at every worker count, ``rounds`` times, every other round reversed.
 
-    A drain that fails is reported and left out, so the others still count.
+    The machine drifts over a run; in forward-then-reversed rounds every strategy has the
+    same mean position, so a steady drift favours none. A drain that fails is reported and
+    left out, so the others still count.
     """
     results: list[DrainResult] = []
     for round_number in range(config.rounds):
-        shift = round_number % len(DRAIN_ORDER)
-        order = DRAIN_ORDER[shift:] + DRAIN_ORDER[:shift]
+        order = DRAIN_ORDER if round_number % 2 == 0 else DRAIN_ORDER[::-1]
         for workers in config.workers:
             for name in order:
                 try:

@@ -102,7 +102,7 @@ def parse(argv: Sequence[str] | None) -> BenchConfig:
     parser.add_argument(
         "--rounds",
         type=_positive_int,
-        help="rounds of the drain matrix, medians reported (default 2; 1 with --quick)",
+        help="rounds of the drain matrix, medians reported (default 4; 1 with --quick)",
     )
     parser.add_argument(
         "--sweep-sizes",

@@ -19,7 +19,7 @@ class BenchConfig:
     quick: bool
     tasks: int
     workers: tuple[int, ...] = (1, 4)
-    rounds: int = 2
+    rounds: int = 4
     min_drain_seconds: float = 2.0
     max_drain_repeats: int = 5
     batch: int = 100

@@ -22,7 +22,15 @@ from typing import Any
 from psycopg.conninfo import make_conninfo
 
 from benchmarks.cpu import backend_cpu, spent
-from benchmarks.db import bench_schema, connect, fill_tasks, open_queue, status_counts, vacuum
+from benchmarks.db import (
+    bench_schema,
+    checkpoint,
+    connect,
+    fill_tasks,
+    open_queue,
+    status_counts,
+    vacuum,
+)
 from benchmarks.memory import peak_rss_kib, rss_kib
 from benchmarks.strategies import STRATEGIES, Drainer
 
@@ -164,6 +172,7 @@ def run_drain(
         with connect(dsn, schema) as conn:
             fill_tasks(conn, tasks)
             vacuum(conn)
+            checkpoint(conn)
         job = DrainJob(dsn, schema, strategy, batch, sample_every)
         sweeper = PeriodicSweeper(dsn, schema, sweep_interval) if sweep_interval else None
         reports = _run_workers(job, workers, sweeper)

@@ -129,9 +129,8 @@ def _run(
     errors: Callable[[], AbstractContextManager[None]],
     encode_result: Callable[[dict[str, Any] | None], str | None],
 ) -> Generator[Attempt, None, bool]:
-    """The work's transaction, its commit and what follows; True if the commit reset the
-    session."""
-    committed = False
+    """The work's transaction and how it ends; True when its commit also reset the session."""
+    session_reset = False
     try:
         conn.autocommit = False
         try:
@@ -144,7 +143,7 @@ def _run(
                     lease.ack_on(conn, encoded)
             with errors():
                 commit_and_reset_session(conn)
-            committed = True
+            session_reset = True
         except BaseException:
             _rollback(conn)
             raise
@@ -168,7 +167,7 @@ def _run(
         raise
     if lease is not None:
         lease.mark_acked()
-    return committed
+    return session_reset
 
 
 def _rollback(conn: psycopg.Connection[Any]) -> None:

@@ -1,4 +1,4 @@
-"""Opening the connection pool, and turning driver errors into our own, password-free."""
+"""The pool, the connections the queue keeps between statements, and password-free errors."""
 
 from __future__ import annotations
 
