@@ -129,6 +129,8 @@ class DatabaseErrors:
         return None
 
 
+_IDLE = pq.TransactionStatus.IDLE
+
 # What the package's statements run on: a connection, or a cursor of one.
 Executor = psycopg.Connection[Any] | psycopg.Cursor[Any]
 
@@ -198,7 +200,7 @@ class ConnectionCache:
         conn = cached.conn
         # IDLE also means open and unbroken: libpq reports UNKNOWN for a lost connection.
         if (
-            conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
+            conn.pgconn.transaction_status == _IDLE
             and time.monotonic() - cached.taken_at <= self.REFRESH_SECONDS
         ):
             with self._lock:
@@ -226,8 +228,11 @@ class _Borrowed:
         self._cached: CachedConnection | None = None
 
     def _acquire(self) -> CachedConnection:
-        with self._errors:
+        try:
             self._cached = self._cache.acquire()
+        except Exception as exc:
+            self._raise_translated(exc)
+            raise
         return self._cached
 
     def __exit__(
@@ -239,7 +244,13 @@ class _Borrowed:
         if self._cached is not None:
             self._cache.release(self._cached)
             self._cached = None
-        self._errors.__exit__(exc_type, exc, tb)
+        if exc is not None:
+            self._raise_translated(exc)
+
+    def _raise_translated(self, exc: BaseException) -> None:
+        translated = self._errors.translate(exc)
+        if translated is not None:
+            raise translated from None
 
 
 class BorrowedConnection(_Borrowed):
@@ -265,7 +276,7 @@ def reset_session(conn: psycopg.Connection[Any]) -> None:
     if conn.closed or conn.broken:
         return
     try:
-        if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        if conn.info.transaction_status != _IDLE:
             conn.rollback()
         conn.execute(sql.RESET_SESSION)
     except psycopg.Error:
