@@ -1,5 +1,8 @@
 """Sweep time against table size: idle (nothing expired) and recovering 1,000 expired leases.
 
+On the same tables, the time to count tasks per queue: every status (``stats_by_queue()``),
+and the live ones that sensors read on every tick (``stats_by_queue(finished=False)``).
+
 The finished rows are written straight in SQL (INSERT ... SELECT generate_series, status
 'done'), then VACUUM ANALYZE. The expired leases are the newest rows, turned into leases
 that ended a minute ago; after each recovering sweep the table is vacuumed and they are
@@ -9,6 +12,7 @@ in a rolled-back transaction, to show the server-side cost and the index it used
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import Iterator
@@ -46,6 +50,8 @@ class SweepResult:
     recovered_per_sweep: int
     idle_plan: Plan | None
     recovering_plan: Plan | None
+    counts_all: Summary | None = None
+    counts_live: Summary | None = None  # None when the measured package cannot
 
 
 def run(config: BenchConfig, log: Progress) -> list[SweepResult]:
@@ -70,6 +76,11 @@ def _measure(config: BenchConfig, size: int, log: Progress) -> SweepResult:
             )
             expire_leases(conn, first_expired)
             recovering_plan = explain_sweep(conn, schema, queue.settings.sweep_batch_size)
+            counts_all = _timed_counts(queue, {}, config.counts_calls)
+            live = {"finished": False}
+            counts_live = (
+                _timed_counts(queue, live, config.counts_calls) if _has_live(queue) else None
+            )
         table_mb = _table_mb(conn)
     log(f"  idle p50 {idle.p50_ms:.3f} ms, recovering p50 {recovering.p50_ms:.1f} ms")
     return SweepResult(
@@ -82,7 +93,23 @@ def _measure(config: BenchConfig, size: int, log: Progress) -> SweepResult:
         recovered_per_sweep=recovered,
         idle_plan=idle_plan,
         recovering_plan=recovering_plan,
+        counts_all=counts_all,
+        counts_live=counts_live,
     )
+
+
+def _has_live(queue: LeaseQueue) -> bool:
+    """Whether the measured package can count live tasks alone (it grows between revisions)."""
+    return "finished" in inspect.signature(queue.stats_by_queue).parameters
+
+
+def _timed_counts(queue: LeaseQueue, options: dict[str, Any], calls: int) -> Summary:
+    durations = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        queue.stats_by_queue(**options)
+        durations.append(time.perf_counter() - started)
+    return Summary.of_seconds(durations)
 
 
 def _timed_sweep(queue: LeaseQueue) -> tuple[float, int]:
@@ -149,6 +176,8 @@ def render(results: list[SweepResult]) -> str:
             r.recovered_per_sweep,
             r.recovering_plan.execution_ms if r.recovering_plan else None,
             ", ".join(r.recovering_plan.indexes) if r.recovering_plan else "",
+            r.counts_all.p50_ms if r.counts_all else None,
+            r.counts_live.p50_ms if r.counts_live else None,
         )
         for r in results
     ]
@@ -162,5 +191,7 @@ def render(results: list[SweepResult]) -> str:
         "recovered",
         "batch server ms",
         "index used",
+        "count all p50 ms",
+        "count live p50 ms",
     )
     return table("queue.sweep() time against table size", headers, rows)

@@ -29,6 +29,7 @@ class BenchConfig:
     sweep_sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)
     sweep_expired: int = 1000
     sweep_idle_calls: int = 25
+    counts_calls: int = 5
     sweep_expired_repeats: int = 5
     sweeper_strategy: str = "lq_one"
     sweeper_workers: int = 4

@@ -154,7 +154,7 @@ def _queue_checks(
         if NO_STUCK_LEASES in selected:
             yield _no_stuck_leases(lease_queue, queue, asset_key, limits)
         if selected & {DEAD_TASKS_WITHIN_LIMIT, OLDEST_WAITING_WITHIN_LIMIT}:
-            stats = lease_queue.stats(queue)
+            stats = lease_queue.stats(queue, finished=False)
             if DEAD_TASKS_WITHIN_LIMIT in selected:
                 yield _dead_tasks(lease_queue, queue, asset_key, stats, limits)
             if OLDEST_WAITING_WITHIN_LIMIT in selected:

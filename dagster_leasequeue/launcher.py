@@ -99,7 +99,7 @@ def build_worker_launcher_sensor(
     def _launcher(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         resource: LeaseQueueResource = getattr(context.resources, resource_key)
         queue_name = queue or resource.queue
-        stats = resource.get_queue().stats(queue_name)
+        stats = resource.get_queue().stats(queue_name, finished=False)
         # Tasks delayed into the future are enqueued but not due: no run would find them.
         waiting = stats.due
         delayed = stats.counts["enqueued"] - waiting

@@ -9,6 +9,8 @@ from typing import Any, Literal
 Status = Literal["enqueued", "processing", "done", "dead", "cancelled"]
 STATUSES: tuple[Status, ...] = ("enqueued", "processing", "done", "dead", "cancelled")
 FINISHED: tuple[Status, ...] = ("done", "dead", "cancelled")
+# What LeaseQueue.stats(finished=False) counts: the statuses a partial index covers.
+LIVE: tuple[Status, ...] = ("enqueued", "processing", "dead")
 
 RecoveryAction = Literal["requeued", "dead"]
 

@@ -33,6 +33,7 @@ from .errors import ConfigurationError, LeaseLost, TaskNotFound
 from .lease import Lease
 from .models import (
     FINISHED,
+    LIVE,
     STATUSES,
     AttemptRecord,
     QueueStats,
@@ -384,10 +385,17 @@ class LeaseQueue:
             rows = conn.execute(self._sql(sql.LIST_TASKS), params).fetchall()
         return [TaskInfo(*row) for row in rows]
 
-    def stats(self, queue: str | None = None) -> QueueStats:
-        """Counts per status (every status, zeros included) for one queue or all of them."""
-        per_queue = self._stats_rows(queue).values()
-        counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
+    def stats(self, queue: str | None = None, *, finished: bool = True) -> QueueStats:
+        """Counts per status (every status, zeros included) for one queue or all of them.
+
+        Counting ``done`` and ``cancelled`` tasks reads every finished row. With
+        ``finished=False`` they are left out of ``counts``, and the rest (``enqueued``,
+        ``processing``, ``dead``, ``due``, the oldest waiting task) is read through partial
+        indexes, at a cost that does not grow with the finished rows: use it for anything
+        that runs on every tick.
+        """
+        per_queue = self._stats_rows(queue, finished).values()
+        counts: dict[str, int] = dict.fromkeys(STATUSES if finished else LIVE, 0)
         for stats in per_queue:
             for status, count in stats.counts.items():
                 counts[status] += count
@@ -401,16 +409,20 @@ class LeaseQueue:
             due=sum(s.due for s in per_queue),
         )
 
-    def stats_by_queue(self) -> dict[str, QueueStats]:
-        """:meth:`stats` for every queue that holds tasks, in one query."""
-        return self._stats_rows(None)
+    def stats_by_queue(self, *, finished: bool = True) -> dict[str, QueueStats]:
+        """:meth:`stats` for every queue that holds tasks (live tasks, when not ``finished``)."""
+        return self._stats_rows(None, finished)
 
-    def _stats_rows(self, queue: str | None) -> dict[str, QueueStats]:
+    def _stats_rows(self, queue: str | None, finished: bool) -> dict[str, QueueStats]:
+        statement = sql.STATS if finished else sql.LIVE_STATS
+        statuses = STATUSES if finished else LIVE
         with self._connection() as conn:
-            rows = conn.execute(self._sql(sql.STATS), {"queue": queue}).fetchall()
+            rows = conn.execute(self._sql(statement), {"queue": queue}).fetchall()
         per_queue: dict[str, QueueStats] = {}
         for name, status, count, due, age in rows:
-            stats = per_queue.setdefault(name, QueueStats(queue=name))
+            stats = per_queue.setdefault(
+                name, QueueStats(queue=name, counts=dict.fromkeys(statuses, 0))
+            )
             stats.counts[status] = int(count)
             if status == "enqueued":
                 oldest = float(age) if age is not None else None

@@ -250,9 +250,9 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """Recovery events after ``after_id``; see :meth:`LeaseQueue.recovery_events`."""
         return self.get_queue().recovery_events(after_id, limit=limit)
 
-    def stats(self, queue: str | None = None) -> QueueStats:
-        """Counts per status for one queue, or all queues when ``queue`` is None."""
-        return self.get_queue().stats(queue)
+    def stats(self, queue: str | None = None, *, finished: bool = True) -> QueueStats:
+        """Counts per status for one queue, or all queues; see :meth:`LeaseQueue.stats`."""
+        return self.get_queue().stats(queue, finished=finished)
 
     def get(self, task_id: int) -> TaskInfo:
         """The task with this id."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Sequence
 
 import dagster as dg
 
-from .models import QueueStats, RecoveryEvent
+from .models import LIVE, QueueStats, RecoveryEvent
 from .resource import LeaseQueueResource
 
 logger = logging.getLogger("dagster_leasequeue")
@@ -67,10 +68,12 @@ def build_sweeper_sensor(
 
     Every tick recovers every expired lease, then reports every recovery event after its
     cursor (recoveries made by other sweepers included) as an ``AssetObservation`` on the
-    queue's asset, and each queue's task counts. The cursor is the id of the last event
-    reported, so a tick whose result was thrown away (a preview, "Test sensor") loses
-    nothing: the next real tick reports it. With ``job``, a run of it is requested when
-    recovered tasks are waiting.
+    queue's asset, and each queue's live task counts (``enqueued``, ``processing``,
+    ``dead``, ``due``, the oldest waiting task), read through partial indexes so that a
+    tick costs the same however many finished tasks the table holds. The cursor holds the
+    id of the last event reported, so a tick whose result was thrown away (a preview,
+    "Test sensor") loses nothing: the next real tick reports it. With ``job``, a run of it
+    is requested when recovered tasks are waiting.
 
     Example:
         .. code-block:: python
@@ -97,12 +100,19 @@ def build_sweeper_sensor(
         resource: LeaseQueueResource = getattr(context.resources, resource_key)
         queue = resource.get_queue()
         swept = queue.sweep()
-        after = _cursor_position(context.cursor)
+        after, reported = _read_cursor(context.cursor)
         events = queue.recovery_events(after, limit=events_per_tick)
-        per_queue = queue.stats_by_queue()
+        live = queue.stats_by_queue(finished=False)
+        # A queue whose last live task finished since the previous tick is reported once
+        # more, with zeros, so its asset does not keep showing the old counts.
+        emptied = {
+            name: QueueStats(name, dict.fromkeys(LIVE, 0)) for name in reported - live.keys()
+        }
+        per_queue = dict(sorted((live | emptied).items()))
         observations = [_recovery_observation(event, prefix) for event in events]
         observations += [_counts_observation(stats, prefix) for stats in per_queue.values()]
-        cursor = str(events[-1].id) if events else str(after)
+        last_event = events[-1].id if events else after
+        cursor = json.dumps({"event": last_event, "queues": sorted(live)})
         summary = _summary(len(swept), events, per_queue)
         context.log.info(summary)
 
@@ -111,8 +121,8 @@ def build_sweeper_sensor(
         )
         if job is not None and requeued_waiting:
             run_request = dg.RunRequest(
-                run_key=f"{name}-recovered-{cursor}",
-                tags={"leasequeue/recovered_through_event": cursor},
+                run_key=f"{name}-recovered-{last_event}",
+                tags={"leasequeue/recovered_through_event": str(last_event)},
             )
             return dg.SensorResult(
                 run_requests=[run_request], asset_events=observations, cursor=cursor
@@ -122,15 +132,22 @@ def build_sweeper_sensor(
     return _sweeper
 
 
-def _cursor_position(cursor: str | None) -> int:
+def _read_cursor(cursor: str | None) -> tuple[int, set[str]]:
+    """The last event id reported, and the queues that had live tasks at that tick.
+
+    The cursor is ``{"event": id, "queues": [...]}``; an older cursor is a bare event id.
+    """
     if not cursor:
-        return 0
+        return 0, set()
     try:
-        return int(cursor)
-    except ValueError:
+        state = json.loads(cursor)
+        if isinstance(state, int):
+            return state, set()
+        return int(state["event"]), {str(name) for name in state["queues"]}
+    except (ValueError, TypeError, KeyError):
         # Reporting again beats skipping: an unreadable cursor starts from the beginning.
-        logger.warning("sweeper sensor cursor %r is not an event id; starting over", cursor)
-        return 0
+        logger.warning("sweeper sensor cursor %r is not readable; starting over", cursor)
+        return 0, set()
 
 
 def _recovery_observation(event: RecoveryEvent, prefix: Sequence[str]) -> dg.AssetObservation:
@@ -157,6 +174,7 @@ def _recovery_observation(event: RecoveryEvent, prefix: Sequence[str]) -> dg.Ass
 def _counts_observation(stats: QueueStats, prefix: Sequence[str]) -> dg.AssetObservation:
     metadata: dict[str, dg.RawMetadataValue] = {"event": "queue_counts"}
     metadata.update(stats.counts)
+    metadata["due"] = stats.due
     metadata["oldest_enqueued_seconds"] = (
         round(stats.oldest_enqueued_seconds, 3) if stats.oldest_enqueued_seconds else 0.0
     )

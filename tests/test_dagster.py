@@ -195,7 +195,49 @@ def test_sensor_with_a_job_requests_a_worker_run(example_env: LeaseQueue) -> Non
     with dg.build_sensor_context(resources={"leasequeue": LeaseQueueResource()}) as context:
         result = sensor.evaluate_tick(context)
     (request,) = result.run_requests or []
-    assert request.run_key == f"with_job-recovered-{result.cursor}"
+    last_event = queue.recovery_events()[-1].id
+    assert request.run_key == f"with_job-recovered-{last_event}"
+
+
+def test_a_queue_that_emptied_is_reported_once_more_with_zeros(example_env: LeaseQueue) -> None:
+    queue = example_env
+    queue.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
+    sensor = build_sweeper_sensor()
+    resources = {"leasequeue": LeaseQueueResource()}
+
+    def tick(cursor: str | None) -> SensorExecutionData:
+        with dg.build_sensor_context(cursor=cursor, resources=resources) as context:
+            return sensor.evaluate_tick(context)
+
+    def counts(result: SensorExecutionData) -> dict[str, object]:
+        return {
+            event.asset_key.path[-1]: event.metadata["enqueued"].value
+            for event in result.asset_events
+            if event.metadata["event"].value == "queue_counts"
+        }
+
+    first = tick(None)
+    assert counts(first) == {"documents": 1}
+    lease = queue.claim(queue="documents")
+    assert lease is not None
+    lease.ack()
+    emptied = tick(first.cursor)
+    assert counts(emptied) == {"documents": 0}
+    assert counts(tick(emptied.cursor)) == {}
+
+
+def test_a_cursor_of_an_earlier_version_is_read(example_env: LeaseQueue) -> None:
+    queue = example_env
+    task_id = queue.enqueue({"n": 1}, queue="documents")
+    queue.claim(queue="documents")
+    expire(queue, task_id)
+    queue.sweep()
+    (event,) = queue.recovery_events()
+    sensor = build_sweeper_sensor()
+    resources = {"leasequeue": LeaseQueueResource()}
+    with dg.build_sensor_context(cursor=str(event.id), resources=resources) as context:
+        result = sensor.evaluate_tick(context)
+    assert [e for e in result.asset_events if e.metadata["event"].value == "lease_recovered"] == []
 
 
 def test_killed_worker_is_recovered_by_a_tick_and_its_result_written_once(

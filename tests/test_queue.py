@@ -14,6 +14,7 @@ from dagster_leasequeue import (
     TaskNotFound,
     sql,
 )
+from dagster_leasequeue.models import LIVE
 
 from .helpers import run_sql
 
@@ -151,6 +152,35 @@ def test_stats_counts_every_status(queue: LeaseQueue) -> None:
     assert stats.counts == {"enqueued": 2, "processing": 1, "done": 1, "dead": 0, "cancelled": 1}
     assert stats.oldest_enqueued_seconds is not None and stats.oldest_enqueued_seconds >= 0.2
     assert queue.stats().counts["enqueued"] == 3
+
+
+def test_live_stats_agree_with_the_full_count_and_leave_finished_tasks_out(
+    queue: LeaseQueue,
+) -> None:
+    ids = queue.enqueue_many([{"n": n} for n in range(6)], max_attempts=1)
+    queue.enqueue({"n": 9}, queue="other", delay=60)
+    done = queue.claim()
+    assert done is not None
+    done.ack()
+    dying = queue.claim()
+    assert dying is not None
+    dying.fail("boom")
+    queue.claim()
+    queue.cancel(ids[5])
+    for name in (None, "default", "other"):
+        full, live = queue.stats(name), queue.stats(name, finished=False)
+        assert live.counts == {status: full.counts[status] for status in LIVE}
+        assert (live.due, live.oldest_enqueued_seconds is None) == (
+            full.due,
+            full.oldest_enqueued_seconds is None,
+        )
+    assert queue.stats("default", finished=False).counts == {
+        "enqueued": 2,
+        "processing": 1,
+        "dead": 1,
+    }
+    assert set(queue.stats_by_queue(finished=False)) == {"default", "other"}
+    assert queue.stats("other", finished=False).due == 0
 
 
 def test_cancel(queue: LeaseQueue) -> None:
