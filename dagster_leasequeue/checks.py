@@ -9,6 +9,7 @@ from datetime import datetime
 
 import dagster as dg
 
+from . import sql
 from .models import QueueStats, TaskInfo
 from .queue import LeaseQueue
 from .resource import LeaseQueueResource
@@ -165,7 +166,7 @@ def _queue_checks(
 
 def _database_now(queue: LeaseQueue) -> datetime:
     with queue.connection() as conn:
-        row = conn.execute("SELECT clock_timestamp()").fetchone()
+        row = conn.execute(sql.DATABASE_NOW).fetchone()
     assert row is not None
     now: datetime = row[0]
     return now

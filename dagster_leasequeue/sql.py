@@ -379,6 +379,9 @@ RECOVERY_EVENTS_AFTER = """
 
 # -- inspecting and steering -------------------------------------------------------------
 
+# The database's clock, which every lease time is read against.
+DATABASE_NOW = "SELECT clock_timestamp()"
+
 _TASK_COLUMNS = """
     id, queue, status, priority, attempts, max_attempts, payload, result, last_error,
     idempotency_key, run_at, lease_expires_at, worker_id, created_at, updated_at, finished_at
