@@ -62,6 +62,7 @@ def open_pool(
         min_size=1,
         max_size=pool_size,
         kwargs=options,
+        reset=_restore_autocommit,
         timeout=max(connect_timeout, 30.0),
         reconnect_timeout=max(connect_timeout * 12, 60.0),
         name=name,
@@ -75,6 +76,13 @@ def open_pool(
             f"cannot connect to PostgreSQL at {where} within {connect_timeout:g} s"
         ) from None
     return pool
+
+
+def _restore_autocommit(conn: psycopg.Connection[Any]) -> None:
+    # The pool hands this connection to the queue's own statements next, which expect
+    # autocommit as it was opened with.
+    if not conn.autocommit:
+        conn.autocommit = True
 
 
 class DatabaseErrors:
@@ -186,23 +194,38 @@ class ConnectionCache:
         return BorrowedCursor(self, errors)
 
     def acquire(self) -> CachedConnection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-            self._waiting += 1
+        while True:
+            with self._lock:
+                cached = self._idle.pop() if self._idle else None
+                if cached is None:
+                    self._waiting += 1
+            if cached is None:
+                break
+            if self._reusable(cached):
+                return cached
+            # Kept too long (the pool's lifetime and idle limits apply to it again) or
+            # no longer open: the pool replaces it.
+            self._pool.putconn(cached.conn)
         try:
             return CachedConnection(self._pool.getconn())
         finally:
             with self._lock:
                 self._waiting -= 1
 
-    def release(self, cached: CachedConnection) -> None:
+    def _reusable(self, cached: CachedConnection) -> bool:
         conn = cached.conn
         # IDLE also means open and unbroken: libpq reports UNKNOWN for a lost connection.
-        if (
+        # A connection a borrower left out of autocommit would wrap the queue's own
+        # statements in a transaction that nobody commits.
+        return (
             conn.pgconn.transaction_status == _IDLE
+            and conn.autocommit
             and time.monotonic() - cached.taken_at <= self.REFRESH_SECONDS
-        ):
+        )
+
+    def release(self, cached: CachedConnection) -> None:
+        conn = cached.conn
+        if self._reusable(cached):
             with self._lock:
                 # A caller waiting in the pool only wakes for a connection given back there.
                 if not self._waiting and not self._closed:
@@ -234,6 +257,14 @@ class _Borrowed:
             self._raise_translated(exc)
             raise
         return self._cached
+
+    def _acquire_cursor(self) -> psycopg.Cursor[Any]:
+        cached = self._acquire()
+        try:
+            return cached.cursor
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
 
     def __exit__(
         self,
@@ -268,24 +299,26 @@ class BorrowedCursor(_Borrowed):
     __slots__ = ()
 
     def __enter__(self) -> psycopg.Cursor[Any]:
-        return self._acquire().cursor
+        return self._acquire_cursor()
 
 
 def reset_session(conn: psycopg.Connection[Any]) -> None:
-    """Undo what caller code may have set on a lent connection (a role, a search path)."""
+    """Undo what caller code may have done to a lent connection (see sql.RESET_SESSION)."""
     if conn.closed or conn.broken:
         return
     try:
         if conn.info.transaction_status != _IDLE:
             conn.rollback()
-        conn.execute(sql.RESET_SESSION)
+        conn.autocommit = True
+        # Several statements in one simple query; never prepared (a prepared statement
+        # holds one).
+        conn.execute(sql.RESET_SESSION, prepare=False)
     except psycopg.Error:
         conn.close()  # the pool discards a closed connection
 
 
 def commit_and_reset_session(conn: psycopg.Connection[Any]) -> None:
     """Commit, then reset the session as :func:`reset_session` does, in one round trip."""
-    # Two statements in one simple query; never prepared (a prepared statement holds one).
     conn.execute(sql.COMMIT_AND_RESET_SESSION, prepare=False)
 
 

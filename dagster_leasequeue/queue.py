@@ -594,8 +594,10 @@ class LeaseQueue:
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """Lend a pooled autocommit connection for your own SQL (tables beside the queue, say).
 
-        Errors of your statements pass through as psycopg raised them. Settings you change
-        with ``SET`` are reset before the connection goes back to the pool.
+        Errors of your statements pass through as psycopg raised them. Before the
+        connection goes back to the pool, an open transaction is rolled back and what you
+        changed is undone: settings (``SET``), the role, autocommit, session advisory locks
+        and LISTENs.
         """
         with self._lent_connection() as conn:
             try:

@@ -141,13 +141,21 @@ def _read_cursor(cursor: str | None) -> tuple[int, set[str]]:
         return 0, set()
     try:
         state = json.loads(cursor)
-        if isinstance(state, int):
-            return state, set()
-        return int(state["event"]), {str(name) for name in state["queues"]}
-    except (ValueError, TypeError, KeyError):
-        # Reporting again beats skipping: an unreadable cursor starts from the beginning.
-        logger.warning("sweeper sensor cursor %r is not readable; starting over", cursor)
-        return 0, set()
+    except ValueError:
+        state = None
+    if type(state) is int:
+        return state, set()
+    if isinstance(state, dict):
+        event, queues = state.get("event"), state.get("queues")
+        if (
+            type(event) is int
+            and isinstance(queues, list)
+            and all(isinstance(name, str) for name in queues)
+        ):
+            return event, set(queues)
+    # Reporting again beats skipping: an unreadable cursor starts from the beginning.
+    logger.warning("sweeper sensor cursor %r is not readable; starting over", cursor)
+    return 0, set()
 
 
 def _recovery_observation(event: RecoveryEvent, prefix: Sequence[str]) -> dg.AssetObservation:

@@ -557,10 +557,14 @@ ATTEMPTS_FOR_KEY = """
 
 # -- lent connections ---------------------------------------------------------------------
 
-# What a borrower may have set on a lent connection (a role, a search path, a timeout) is
-# undone before the connection is used again.
-RESET_SESSION = "RESET ALL"
-# An attempt's commit and that reset in one round trip (two statements in one simple query).
+# What a borrower may have done to a lent connection is undone before it is used again:
+# settings (a search path, a timeout), the role (which RESET ALL leaves alone), session
+# advisory locks and LISTENs.
+RESET_SESSION = (
+    "RESET ALL; RESET ROLE; RESET SESSION AUTHORIZATION; UNLISTEN *;"
+    " SELECT pg_advisory_unlock_all()"
+)
+# An attempt's commit and that reset in one round trip (one simple query).
 COMMIT_AND_RESET_SESSION = "COMMIT; " + RESET_SESSION
 
 

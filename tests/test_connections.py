@@ -96,3 +96,43 @@ def test_close_ends_every_connection_the_queue_kept(dsn: str, queue: LeaseQueue)
     while live_backends(dsn, pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live_backends(dsn, pids) == set()
+
+
+def test_a_lent_connection_left_out_of_autocommit_does_not_swallow_writes(
+    make_queue: Callable[..., LeaseQueue],
+) -> None:
+    queue = make_queue(pool_size=1)
+    queue.install()
+    with queue.connection() as conn:
+        conn.autocommit = False
+        conn.execute("SELECT 1")
+        conn.commit()
+    task_id = queue.enqueue({"n": 1})
+    other = make_queue(pool_size=1)
+    assert other.get(task_id).status == "enqueued"
+
+
+def test_a_role_and_locks_taken_on_a_lent_connection_do_not_outlive_the_loan(
+    dsn: str, make_queue: Callable[..., LeaseQueue]
+) -> None:
+    queue = make_queue(pool_size=1)
+    queue.install()
+    user = run_sql(queue, "SELECT current_user")[0][0]
+    with queue.connection() as conn:
+        conn.execute("SET ROLE pg_monitor")
+        conn.execute("SELECT pg_advisory_lock(4242)")
+    assert run_sql(queue, "SELECT current_user") == [(user,)]
+    with psycopg.connect(dsn, autocommit=True) as other:
+        taken = other.execute("SELECT pg_try_advisory_lock(4242)").fetchone()
+        assert taken == (True,)
+        other.execute("SELECT pg_advisory_unlock(4242)")
+
+
+def test_connections_kept_past_their_time_go_back_to_the_pool(queue: LeaseQueue) -> None:
+    queue._connections.REFRESH_SECONDS = 0.0  # every kept connection is due back at once
+    queue.enqueue_many([{"n": n} for n in range(5)])
+    while (lease := queue.claim()) is not None:
+        lease.ack()
+    assert queue.stats().counts["done"] == 5
+    stats = queue._pool.get_stats()
+    assert stats.get("connections_num", 1) <= queue.settings.pool_size

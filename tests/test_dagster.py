@@ -16,6 +16,7 @@ from dagster._core.definitions.sensor_definition import SensorExecutionData
 from dagster._core.test_utils import freeze_time
 
 from dagster_leasequeue import LeaseQueue, LeaseQueueResource, build_sweeper_sensor
+from dagster_leasequeue.sensors import _read_cursor
 from example_repo.definitions import defs, process_documents
 from example_repo.ticks import run_sensor_tick
 
@@ -381,3 +382,26 @@ def test_a_run_tagged_with_a_queue_works_that_queue(
 
     result = tagged.execute_in_process(instance=instance, tags={"leasequeue/queue": "reports"})
     assert result.output_for_node("take") == task_id
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        "1e999",
+        '"ab"',
+        "[1]",
+        "true",
+        '{"event": true, "queues": []}',
+        '{"event": 3, "queues": "ab"}',
+        '{"event": 3}',
+        "not json",
+    ],
+)
+def test_an_unreadable_sensor_cursor_starts_over(cursor: str) -> None:
+    assert _read_cursor(cursor) == (0, set())
+
+
+def test_sensor_cursors_are_read() -> None:
+    assert _read_cursor(None) == (0, set())
+    assert _read_cursor("17") == (17, set())
+    assert _read_cursor('{"event": 17, "queues": ["a", "b"]}') == (17, {"a", "b"})
