@@ -107,9 +107,13 @@ class DatabaseErrors:
         tb: TracebackType | None,
     ) -> None:
         if exc is not None:
-            translated = self.translate(exc)
-            if translated is not None:
-                raise translated from None
+            self.raise_translated(exc)
+
+    def raise_translated(self, exc: BaseException) -> None:
+        """Raise our error for a driver error; return for anything else."""
+        translated = self.translate(exc)
+        if translated is not None:
+            raise translated from None
 
     def translate(self, exc: BaseException) -> LeaseQueueError | None:
         """Our error for a driver error; None for anything else, which passes through."""
@@ -171,9 +175,9 @@ class ConnectionCache:
     as a claim's own statement, and a worker claims and acks all day. So connections the
     queue took stay with it while idle; the pool still opens them, caps their number and
     makes callers wait when all are busy. A connection goes back to the pool when a caller
-    is waiting for one there, when it is broken or mid-transaction (the pool discards or
-    rolls it back), when the queue closes, and after REFRESH_SECONDS, so the pool's
-    lifetime and idle limits still apply.
+    is waiting for one there; when it is broken, mid-transaction or out of autocommit (the
+    pool discards it, rolls it back or restores autocommit); when the queue closes; and
+    after REFRESH_SECONDS, so the pool's lifetime and idle limits still apply.
     """
 
     REFRESH_SECONDS = 300.0
@@ -201,10 +205,10 @@ class ConnectionCache:
                     self._waiting += 1
             if cached is None:
                 break
-            if self._reusable(cached):
+            # Its state was checked when it was released; only its age can have changed.
+            if self._fresh(cached):
                 return cached
-            # Kept too long (the pool's lifetime and idle limits apply to it again) or
-            # no longer open: the pool replaces it.
+            # Kept too long: the pool's lifetime and idle limits apply to it again.
             self._pool.putconn(cached.conn)
         try:
             return CachedConnection(self._pool.getconn())
@@ -217,11 +221,10 @@ class ConnectionCache:
         # IDLE also means open and unbroken: libpq reports UNKNOWN for a lost connection.
         # A connection a borrower left out of autocommit would wrap the queue's own
         # statements in a transaction that nobody commits.
-        return (
-            conn.pgconn.transaction_status == _IDLE
-            and conn.autocommit
-            and time.monotonic() - cached.taken_at <= self.REFRESH_SECONDS
-        )
+        return conn.pgconn.transaction_status == _IDLE and conn.autocommit and self._fresh(cached)
+
+    def _fresh(self, cached: CachedConnection) -> bool:
+        return time.monotonic() - cached.taken_at <= self.REFRESH_SECONDS
 
     def release(self, cached: CachedConnection) -> None:
         conn = cached.conn
@@ -254,7 +257,7 @@ class _Borrowed:
         try:
             self._cached = self._cache.acquire()
         except Exception as exc:
-            self._raise_translated(exc)
+            self._errors.raise_translated(exc)
             raise
         return self._cached
 
@@ -276,12 +279,7 @@ class _Borrowed:
             self._cache.release(self._cached)
             self._cached = None
         if exc is not None:
-            self._raise_translated(exc)
-
-    def _raise_translated(self, exc: BaseException) -> None:
-        translated = self._errors.translate(exc)
-        if translated is not None:
-            raise translated from None
+            self._errors.raise_translated(exc)
 
 
 class BorrowedConnection(_Borrowed):

@@ -401,16 +401,24 @@ LIST_TASKS = (
 """
 )
 
-STATS = """
-    SELECT queue, status, count(*),
+# A due task is enqueued and its run_at has come: the count of them, and how long the
+# oldest has waited.
+_DUE_AND_OLDEST = """
            count(*) FILTER (WHERE status = 'enqueued' AND run_at <= clock_timestamp()),
            extract(epoch FROM clock_timestamp()
                    - min(run_at) FILTER (WHERE status = 'enqueued'
                                            AND run_at <= clock_timestamp()))
+"""
+
+STATS = (
+    "SELECT queue, status, count(*),"
+    + _DUE_AND_OLDEST
+    + """
     FROM {schema}.tasks
     WHERE %(queue)s::text IS NULL OR queue = %(queue)s
     GROUP BY queue, status
 """
+)
 
 # The same numbers for the statuses a partial index covers (enqueued, processing, dead):
 # what sensors and checks read on every tick, at a cost that grows with the live tasks,
@@ -426,12 +434,9 @@ def _count_per_queue(status: str) -> str:
 
 
 LIVE_STATS = (
-    """
-    SELECT queue, 'enqueued', count(*),
-           count(*) FILTER (WHERE run_at <= clock_timestamp()),
-           extract(epoch FROM clock_timestamp()
-                   - min(run_at) FILTER (WHERE run_at <= clock_timestamp()))
-    FROM {schema}.tasks WHERE status = 'enqueued' AND """
+    "SELECT queue, 'enqueued', count(*),"
+    + _DUE_AND_OLDEST
+    + "FROM {schema}.tasks WHERE status = 'enqueued' AND "
     + _LIVE_QUEUE_FILTER
     + " GROUP BY queue UNION ALL "
     + _count_per_queue("processing")
