@@ -9,10 +9,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import errors as pg_errors, pq
+from psycopg.abc import Params
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import sql
@@ -143,29 +144,46 @@ class DatabaseErrors:
 
 _IDLE = pq.TransactionStatus.IDLE
 
-# What the package's statements run on: a connection, or a cursor of one.
-Executor = psycopg.Connection[Any] | psycopg.Cursor[Any]
+
+class Executor(Protocol):
+    """What the package's statements run on: a connection, a cursor, or a cached connection."""
+
+    def execute(self, query: str, params: Params | None = None) -> psycopg.Cursor[Any]: ...
 
 
 class CachedConnection:
-    """A connection taken from the pool, and the one cursor the queue reuses on it.
+    """A connection taken from the pool, with a cursor of its own for each hot statement.
 
-    psycopg builds a new cursor for each ``conn.execute()``; on a claim or an ack that is
-    a good part of the client's CPU, so the queue's hot statements share one.
+    psycopg builds a cursor for each ``conn.execute()``, and a cursor that runs a different
+    statement than last time looks up how to adapt every parameter and column again. On a
+    claim or an ack that is a good part of the client's CPU, so each statement the queue
+    runs here keeps its own cursor (up to MAX_CURSORS; any further ones share a cursor).
     """
 
-    __slots__ = ("_cursor", "conn", "taken_at")
+    MAX_CURSORS = 8
+
+    __slots__ = ("_cursors", "_shared", "conn", "taken_at")
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.conn = conn
         self.taken_at = time.monotonic()
-        self._cursor: psycopg.Cursor[Any] | None = None
+        self._cursors: dict[str, psycopg.Cursor[Any]] = {}
+        self._shared: psycopg.Cursor[Any] | None = None
 
-    @property
-    def cursor(self) -> psycopg.Cursor[Any]:
-        if self._cursor is None:
-            self._cursor = self.conn.cursor()
-        return self._cursor
+    def execute(self, query: str, params: Params | None = None) -> psycopg.Cursor[Any]:
+        """Run ``query`` on its own cursor (statements are compared by identity first)."""
+        cursor = self._cursors.get(query)
+        if cursor is None:
+            cursor = self._cursor_for(query)
+        return cursor.execute(query, params)
+
+    def _cursor_for(self, query: str) -> psycopg.Cursor[Any]:
+        if len(self._cursors) < self.MAX_CURSORS:
+            cursor = self._cursors[query] = self.conn.cursor()
+            return cursor
+        if self._shared is None:
+            self._shared = self.conn.cursor()
+        return self._shared
 
 
 class ConnectionCache:
@@ -193,20 +211,19 @@ class ConnectionCache:
         """A context manager lending one connection, with driver errors mapped."""
         return BorrowedConnection(self, errors)
 
-    def cursor(self, errors: DatabaseErrors) -> BorrowedCursor:
-        """A context manager lending one connection's reusable cursor, errors mapped."""
-        return BorrowedCursor(self, errors)
+    def statements(self, errors: DatabaseErrors) -> BorrowedStatements:
+        """A context manager lending one connection's per-statement cursors, errors mapped."""
+        return BorrowedStatements(self, errors)
 
     def acquire(self) -> CachedConnection:
         while True:
             with self._lock:
-                cached = self._idle.pop() if self._idle else None
-                if cached is None:
+                if not self._idle:
                     self._waiting += 1
-            if cached is None:
-                break
+                    break
+                cached = self._idle.pop()
             # Its state was checked when it was released; only its age can have changed.
-            if self._fresh(cached):
+            if time.monotonic() - cached.taken_at <= self.REFRESH_SECONDS:
                 return cached
             # Kept too long: the pool's lifetime and idle limits apply to it again.
             self._pool.putconn(cached.conn)
@@ -216,19 +233,12 @@ class ConnectionCache:
             with self._lock:
                 self._waiting -= 1
 
-    def _reusable(self, cached: CachedConnection) -> bool:
+    def release(self, cached: CachedConnection) -> None:
         conn = cached.conn
         # IDLE also means open and unbroken: libpq reports UNKNOWN for a lost connection.
         # A connection a borrower left out of autocommit would wrap the queue's own
         # statements in a transaction that nobody commits.
-        return conn.pgconn.transaction_status == _IDLE and conn.autocommit and self._fresh(cached)
-
-    def _fresh(self, cached: CachedConnection) -> bool:
-        return time.monotonic() - cached.taken_at <= self.REFRESH_SECONDS
-
-    def release(self, cached: CachedConnection) -> None:
-        conn = cached.conn
-        if self._reusable(cached):
+        if conn.pgconn.transaction_status == _IDLE and conn.autocommit:
             with self._lock:
                 # A caller waiting in the pool only wakes for a connection given back there.
                 if not self._waiting and not self._closed:
@@ -261,14 +271,6 @@ class _Borrowed:
             raise
         return self._cached
 
-    def _acquire_cursor(self) -> psycopg.Cursor[Any]:
-        cached = self._acquire()
-        try:
-            return cached.cursor
-        except BaseException as exc:
-            self.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -291,13 +293,13 @@ class BorrowedConnection(_Borrowed):
         return self._acquire().conn
 
 
-class BorrowedCursor(_Borrowed):
-    """One statement's use of a cached connection's reusable cursor."""
+class BorrowedStatements(_Borrowed):
+    """One block's use of a cached connection through its per-statement cursors."""
 
     __slots__ = ()
 
-    def __enter__(self) -> psycopg.Cursor[Any]:
-        return self._acquire_cursor()
+    def __enter__(self) -> CachedConnection:
+        return self._acquire()
 
 
 def reset_session(conn: psycopg.Connection[Any]) -> None:

@@ -115,9 +115,9 @@ class Lease:
     def ack(self, result: dict[str, Any] | None = None) -> None:
         """Mark the task done, storing ``result``; raise LeaseLost if the lease is gone."""
         encoded = self._queue._encode_result(result)
-        with self._queue._cursor() as cursor, self._lock:
+        with self._queue._statements() as conn, self._lock:
             self._refuse_if_finished("ack")
-            self.ack_on(cursor, encoded)
+            self.ack_on(conn, encoded)
             self._outcome = "acked"
 
     def ack_on(
@@ -152,8 +152,8 @@ class Lease:
         """
         if retry_in is not None and not retry_in >= 0:
             raise ValueError(f"retry_in must be 0 or more seconds, got {retry_in!r}")
-        with self._queue._cursor() as cursor:
-            return self.fail_on(cursor, error, retry_in=retry_in)
+        with self._queue._statements() as conn:
+            return self.fail_on(conn, error, retry_in=retry_in)
 
     def fail_on(
         self,

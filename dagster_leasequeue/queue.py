@@ -20,6 +20,7 @@ from psycopg_pool import ConnectionPool
 from . import schema as schema_module, sql
 from .attempts import Attempt, attempt_key, run_attempt
 from .connection import (
+    CachedConnection,
     ConnectionCache,
     DatabaseErrors,
     SharedConnection,
@@ -209,11 +210,11 @@ class LeaseQueue:
             "run_at": _check_run_at(run_at, delay),
             "delay": _check_delay(delay),
         } | self._notify
-        with self._cursor() as cursor:
+        with self._statements() as conn:
             for _ in range(_ENQUEUE_RETRIES):
-                row = cursor.execute(self._sql(sql.ENQUEUE), params).fetchone()
+                row = conn.execute(self._sql(sql.ENQUEUE), params).fetchone()
                 if row is None:
-                    row = cursor.execute(self._sql(sql.FIND_UNFINISHED_BY_KEY), params).fetchone()
+                    row = conn.execute(self._sql(sql.FIND_UNFINISHED_BY_KEY), params).fetchone()
                 if row is not None:
                     return int(row[0])
         raise ConfigurationError(  # pragma: no cover - needs a task finishing at every retry
@@ -245,8 +246,8 @@ class LeaseQueue:
             "max_attempts": self._max_attempts(max_attempts),
             "payloads": encoded,
         } | self._notify
-        with self._cursor() as cursor:
-            rows = cursor.execute(self._sql(sql.ENQUEUE_MANY), params).fetchall()
+        with self._statements() as conn:
+            rows = conn.execute(self._sql(sql.ENQUEUE_MANY), params).fetchall()
         # Identity values are drawn in the order the rows were inserted.
         return sorted(int(row[0]) for row in rows)
 
@@ -295,23 +296,26 @@ class LeaseQueue:
             "lease_seconds": _check_positive("lease_seconds", lease_seconds),
             "default_lease": self.settings.lease_seconds,
         }
+        statement = sql.compose_claim(self.schema, limit)
         deadline = time.monotonic() + wait
         if wait:
             with self._errors():
                 self._listener.listen()
         while True:
             sent = time.monotonic()
-            with self._cursor() as cursor:
-                rows = cursor.execute(sql.compose_claim(self.schema, limit), params).fetchall()
+            with self._statements() as conn:
+                rows = conn.execute(statement, params).fetchall()
+            if rows or not wait:
+                break
             remaining = deadline - time.monotonic()
-            if rows or remaining <= 0:
+            if remaining <= 0:
                 break
             with self._errors():
                 # Delayed and retried tasks send no notification: look again each second.
                 self._listener.wait(min(remaining, _POLL_SECONDS))
         if len(rows) > 1:
-            # UPDATE ... RETURNING gives no order; restore the claim's.
-            rows.sort(key=lambda row: (-row[2], row[3], row[0]))
+            # UPDATE ... RETURNING gives no order; restore the claim's (run_at is last).
+            rows.sort(key=lambda row: (-row[2], row[9], row[0]))
         return [
             Lease(
                 self,
@@ -319,13 +323,13 @@ class LeaseQueue:
                 queue_name=queue,
                 payload=row[1],
                 priority=row[2],
-                attempt=row[4],
-                max_attempts=row[5],
-                token=row[6],
-                expires_at=row[7],
+                attempt=row[3],
+                max_attempts=row[4],
+                token=row[5],
+                expires_at=row[6],
                 worker_id=worker,
-                idempotency_key=row[8],
-                lease_seconds=row[9],
+                idempotency_key=row[7],
+                lease_seconds=row[8],
                 claimed_at=sent,
             )
             for row in rows
@@ -454,8 +458,8 @@ class LeaseQueue:
             "tokens": [lease.token for lease in held],
             "results": encoded,
         }
-        with self._cursor() as cursor:
-            acked = {int(row[0]) for row in cursor.execute(self._sql(sql.ACK_MANY), params)}
+        with self._statements() as conn:
+            acked = {int(row[0]) for row in conn.execute(self._sql(sql.ACK_MANY), params)}
         for lease in held:
             if lease.task_id in acked:
                 lease.mark_acked()
@@ -586,9 +590,9 @@ class LeaseQueue:
         """A pooled connection for the package's own statements, with errors mapped."""
         return self._connections.connection(self._database_errors)
 
-    def _cursor(self) -> AbstractContextManager[psycopg.Cursor[Any]]:
-        """A pooled connection's reusable cursor, for the hot statements (claim, ack)."""
-        return self._connections.cursor(self._database_errors)
+    def _statements(self) -> AbstractContextManager[CachedConnection]:
+        """A kept connection with a cursor per statement, for the hot ones (claim, ack)."""
+        return self._connections.statements(self._database_errors)
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:

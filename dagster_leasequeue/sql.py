@@ -249,9 +249,10 @@ _CLAIM_SET = """
         worker_id = %(worker_id)s,
         updated_at = clock_timestamp()
 """
+# What a Lease needs, in the order queue.claim_many reads it.
 _CLAIM_RETURNING = """
-    RETURNING t.id, t.payload, t.priority, t.run_at, t.attempts, t.max_attempts,
-              t.lease_token, t.lease_expires_at, t.idempotency_key,
+    RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
+              t.lease_expires_at, t.idempotency_key,
               coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)
 """
 
@@ -271,6 +272,7 @@ CLAIM_ONE = (
 # In both, the limit is written into the statement (see compose_claim), not passed as a
 # parameter: with a parameter the planner cannot see it, so a prepared claim is planned
 # again on every call, and the generic plan it would settle on scans the whole table.
+# run_at comes last: only the order of many rows needs it (RETURNING keeps none).
 CLAIM_MANY = (
     "WITH picked AS ("
     + _CLAIM_PICK
@@ -278,6 +280,7 @@ CLAIM_MANY = (
     + _CLAIM_SET
     + "FROM picked WHERE t.id = picked.id"
     + _CLAIM_RETURNING
+    + ", t.run_at"
 )
 
 # Fencing: every lease operation matches the token of this claim and the status it left.

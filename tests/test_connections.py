@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from dagster_leasequeue import DatabaseUnavailable, LeaseQueue
+from dagster_leasequeue.connection import CachedConnection
 
 from .helpers import run_sql
 
@@ -136,3 +137,18 @@ def test_connections_kept_past_their_time_go_back_to_the_pool(queue: LeaseQueue)
     assert queue.stats().counts["done"] == 5
     stats = queue._pool.get_stats()
     assert stats.get("connections_num", 1) <= queue.settings.pool_size
+
+
+def test_each_statement_keeps_its_own_cursor_and_results_stay_apart(queue: LeaseQueue) -> None:
+    with queue._statements() as cached:
+        statements = [
+            f"SELECT {n}::int + %(x)s::int" for n in range(CachedConnection.MAX_CURSORS + 3)
+        ]
+        for _ in range(2):  # a second pass reuses each statement's cursor
+            cursors = [cached.execute(text, {"x": 1}) for text in statements]
+        # The first MAX_CURSORS statements have a cursor each; the rest share one.
+        kept = cursors[: CachedConnection.MAX_CURSORS]
+        assert len({id(cursor) for cursor in kept}) == len(kept)
+        assert len({id(cursor) for cursor in cursors[CachedConnection.MAX_CURSORS :]}) == 1
+        # Running one statement leaves the results of the others unread and intact.
+        assert [cursor.fetchone() for cursor in kept] == [(n + 1,) for n in range(len(kept))]

@@ -104,7 +104,7 @@ def test_claim_in_an_old_transaction_gets_its_full_lease(queue: LeaseQueue) -> N
     with queue._connection() as conn, conn.transaction():
         began = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
         time.sleep(1.2)
-        row = conn.execute(
+        claimed = conn.execute(
             sql.compose_claim(queue.schema, 1),
             {
                 "queue": "default",
@@ -112,9 +112,11 @@ def test_claim_in_an_old_transaction_gets_its_full_lease(queue: LeaseQueue) -> N
                 "lease_seconds": 10,
                 "default_lease": 10,
             },
-        ).fetchone()
+        )
+        columns = [column.name for column in claimed.description or ()]
+        row = claimed.fetchone()
         assert row is not None
-        assert row[7] - began >= timedelta(seconds=11)  # lease_expires_at
+        assert row[columns.index("lease_expires_at")] - began >= timedelta(seconds=11)
 
 
 # -- fail, backoff, dead --------------------------------------------------------------------
