@@ -19,6 +19,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import sql
 from .dsn import describe, redact
 from .errors import DatabaseUnavailable, LeaseQueueError, TransactionAbandoned
+from .payloads import JsonbLoader
 from .schema import not_installed
 
 logger = logging.getLogger("dagster_leasequeue")
@@ -179,11 +180,17 @@ class CachedConnection:
 
     def _cursor_for(self, query: str) -> psycopg.Cursor[Any]:
         if len(self._cursors) < self.MAX_CURSORS:
-            cursor = self._cursors[query] = self.conn.cursor()
+            cursor = self._cursors[query] = self._new_cursor()
             return cursor
         if self._shared is None:
-            self._shared = self.conn.cursor()
+            self._shared = self._new_cursor()
         return self._shared
+
+    def _new_cursor(self) -> psycopg.Cursor[Any]:
+        cursor = self.conn.cursor()
+        # Only the package's statements run here, and payloads are its own jsonb.
+        cursor.adapters.register_loader("jsonb", JsonbLoader)
+        return cursor
 
 
 class ConnectionCache:

@@ -1,4 +1,4 @@
-"""Turning payloads and results into JSON text the database will accept."""
+"""Payloads and results: JSON text the database will accept, and jsonb read back."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import json
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from psycopg.abc import Buffer
+from psycopg.adapt import Loader
 
 from .errors import PayloadError
 
@@ -34,10 +37,32 @@ def encode_object(value: Any, *, what: str, max_bytes: int) -> str:
         raise PayloadError(f"{what} keys must be strings (JSON object keys)")
     if _ENCODED_NUL.search(text):
         raise PayloadError(f"{what} holds a NUL character (\\u0000), which PostgreSQL refuses")
-    size = len(text.encode("utf-8"))
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise PayloadError(
+            f"{what} holds a lone surrogate ({text[exc.start : exc.end]!a}), which is not "
+            "Unicode text: decode the data it came from with errors='replace', or send bytes "
+            "as base64"
+        ) from None
     if size > max_bytes:
         raise PayloadError(
             f"{what} is {size} bytes encoded, over the limit of {max_bytes} bytes "
             "(LEASEQUEUE_PAYLOAD_MAX_BYTES): store large data elsewhere and enqueue a reference"
         )
     return text
+
+
+_DECODER = json.JSONDecoder()
+
+
+class JsonbLoader(Loader):
+    """Reads jsonb in text form straight into Python, as ``json.loads`` would.
+
+    The server writes jsonb in one canonical form: valid JSON, no whitespace around it. So
+    the decoder's scanner can read it at once, skipping the encoding detection and the
+    whitespace checks of ``json.loads``; on a claim that is a tenth of the client's work.
+    """
+
+    def load(self, data: Buffer) -> Any:
+        return _DECODER.raw_decode(str(data, "utf-8"))[0]

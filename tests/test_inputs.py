@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dagster_leasequeue import (
     ConfigurationError,
@@ -14,6 +16,8 @@ from dagster_leasequeue import (
     LeaseQueueSettings,
     PayloadError,
 )
+
+from .helpers import run_sql
 
 
 @pytest.mark.parametrize(
@@ -27,6 +31,7 @@ from dagster_leasequeue import (
         ({"x": math.nan}, "not JSON-serialisable"),
         ({"x": math.inf}, "not JSON-serialisable"),
         ({"x": "a\x00b"}, "NUL"),
+        ({"x": "a\ud800b"}, "lone surrogate"),
         ({1: "int key"}, "keys must be strings"),
     ],
 )
@@ -130,3 +135,38 @@ def test_bad_settings_name_the_variable(
 def test_a_backslash_before_u0000_is_not_a_nul(queue: LeaseQueue) -> None:
     task_id = queue.enqueue({"path": "C:\\u0000\\files"})
     assert queue.get(task_id).payload == {"path": "C:\\u0000\\files"}
+
+
+# jsonb refuses NUL characters and lone surrogates, in keys as in values.
+_TEXT = st.text(st.characters(codec="utf-8", blacklist_characters="\x00"), max_size=8)
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner),
+    max_leaves=12,
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(payloads=st.lists(st.dictionaries(_TEXT, _JSON_VALUES), min_size=1, max_size=5))
+def test_claimed_payloads_read_as_json_loads_reads_the_stored_text(
+    queue: LeaseQueue, payloads: list[dict[str, object]]
+) -> None:
+    ids = queue.enqueue_many(payloads)
+    leases = queue.claim_many(len(ids))
+    stored = dict(
+        run_sql(
+            queue,
+            "SELECT id, payload::text FROM {schema}.tasks WHERE id = ANY(%(ids)s)",
+            {"ids": ids},
+        )
+    )
+    assert {lease.task_id: lease.payload for lease in leases} == {
+        task_id: json.loads(text) for task_id, text in stored.items()
+    }
+    queue.ack_many(leases)
