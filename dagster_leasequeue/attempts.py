@@ -20,7 +20,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from . import sql
-from .connection import commit_and_reset_session, reset_session
+from .connection import CachedConnection, Executor, commit_and_reset_session, reset_session
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TransactionAbandoned
 from .lease import Lease, _describe_error
 
@@ -75,7 +75,7 @@ class _SucceededElsewhere(Exception):
 
 @contextmanager
 def run_attempt(
-    conn: psycopg.Connection[Any],
+    cached: CachedConnection,
     *,
     schema: str,
     key: str,
@@ -85,18 +85,22 @@ def run_attempt(
     encode_result: Callable[[dict[str, Any] | None], str | None],
     idle_timeout: float,
 ) -> Iterator[Attempt]:
-    """The attempt's life on one autocommit connection; see :meth:`LeaseQueue.attempt`.
+    """The attempt's life on one kept autocommit connection; see :meth:`LeaseQueue.attempt`.
 
-    The transaction begins with the first statement run on ``attempt.connection`` (or with
-    the success mark), so work done before writing holds no lock. A session left idle in
-    that transaction for ``idle_timeout`` seconds (a paused process) is ended by the server,
-    releasing whatever rows it locked for the worker that took its place.
+    The package's own statements run on the connection's per-statement cursors, the
+    caller's effects on ``attempt.connection``: both in the same transaction.
+
+        The transaction begins with the first statement run on ``attempt.connection`` (or with
+        the success mark), so work done before writing holds no lock. A session left idle in
+        that transaction for ``idle_timeout`` seconds (a paused process) is ended by the server,
+        releasing whatever rows it locked for the worker that took its place.
     """
     # The session is reset when the attempt ends: by its commit, else in the finally below.
+    conn = cached.conn
     session_reset = False
     try:
         with errors():
-            row = conn.execute(
+            row = cached.execute(
                 sql.compose(sql.BEGIN_ATTEMPT, schema),
                 {
                     "key": key,
@@ -115,14 +119,14 @@ def run_attempt(
             abandoned=row[4],
             connection=conn,
         )
-        session_reset = yield from _run(conn, schema, attempt, lease, errors, encode_result)
+        session_reset = yield from _run(cached, schema, attempt, lease, errors, encode_result)
     finally:
         if not session_reset:
             reset_session(conn)
 
 
 def _run(
-    conn: psycopg.Connection[Any],
+    cached: CachedConnection,
     schema: str,
     attempt: Attempt,
     lease: Lease | None,
@@ -130,6 +134,7 @@ def _run(
     encode_result: Callable[[dict[str, Any] | None], str | None],
 ) -> Generator[Attempt, None, bool]:
     """The work's transaction and how it ends; True when its commit also reset the session."""
+    conn = cached.conn
     session_reset = False
     try:
         conn.autocommit = False
@@ -137,10 +142,10 @@ def _run(
             yield attempt
             encoded = encode_result(attempt.result)
             if not attempt.duplicate:
-                _mark_succeeded(conn, schema, attempt, lease, encoded, errors)
+                _mark_succeeded(cached, schema, attempt, lease, encoded, errors)
             elif lease is not None:
                 with errors():
-                    lease.ack_on(conn, encoded)
+                    lease.ack_on(cached, encoded)
             with errors():
                 commit_and_reset_session(conn)
             session_reset = True
@@ -180,7 +185,7 @@ def _rollback(conn: psycopg.Connection[Any]) -> None:
 
 
 def _mark_succeeded(
-    conn: psycopg.Connection[Any],
+    conn: Executor,
     schema: str,
     attempt: Attempt,
     lease: Lease | None,
@@ -221,7 +226,7 @@ def _adopt_success(
 
 
 def _finish(
-    conn: psycopg.Connection[Any],
+    conn: Executor,
     schema: str,
     attempt: Attempt,
     outcome: str,

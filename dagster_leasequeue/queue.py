@@ -564,9 +564,9 @@ class LeaseQueue:
             lease.raise_if_lost()
         worker = worker_id or (lease.worker_id if lease else None) or self.default_worker_id
         with (
-            self._lent_connection() as conn,
+            self._lent_connection() as cached,
             run_attempt(
-                conn,
+                cached,
                 schema=self.schema,
                 key=resolved,
                 lease=lease,
@@ -603,19 +603,19 @@ class LeaseQueue:
         changed is undone: settings (``SET``), the role, autocommit, session advisory locks
         and LISTENs.
         """
-        with self._lent_connection() as conn:
+        with self._lent_connection() as cached:
             try:
-                yield conn
+                yield cached.conn
             finally:
-                reset_session(conn)
+                reset_session(cached.conn)
 
     @contextmanager
-    def _lent_connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection whose borrower resets the session before giving it back."""
+    def _lent_connection(self) -> Iterator[CachedConnection]:
+        """A kept connection whose borrower resets the session before giving it back."""
         with self._errors():
             cached = self._connections.acquire()
         try:
-            yield cached.conn
+            yield cached
         finally:
             self._connections.release(cached)
 
