@@ -214,14 +214,6 @@ class ConnectionCache:
         self._waiting = 0  # callers inside pool.getconn()
         self._closed = False
 
-    def connection(self, errors: DatabaseErrors) -> BorrowedConnection:
-        """A context manager lending one connection, with driver errors mapped."""
-        return BorrowedConnection(self, errors)
-
-    def statements(self, errors: DatabaseErrors) -> BorrowedStatements:
-        """A context manager lending one connection's per-statement cursors, errors mapped."""
-        return BorrowedStatements(self, errors)
-
     def acquire(self) -> CachedConnection:
         while True:
             with self._lock:
@@ -292,7 +284,7 @@ class _Borrowed:
 
 
 class BorrowedConnection(_Borrowed):
-    """One block's use of a connection from a :class:`ConnectionCache`."""
+    """One block's use of a connection from a :class:`ConnectionCache`, errors mapped."""
 
     __slots__ = ()
 
@@ -305,8 +297,8 @@ class BorrowedStatements(_Borrowed):
 
     __slots__ = ()
 
-    def __enter__(self) -> CachedConnection:
-        return self._acquire()
+    # The hot path (every claim and ack): no frame of its own.
+    __enter__ = _Borrowed._acquire
 
 
 def reset_session(conn: psycopg.Connection[Any]) -> None:

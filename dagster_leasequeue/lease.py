@@ -129,13 +129,14 @@ class Lease:
         :meth:`mark_acked`); this is how an attempt makes its effects and the ack atomic.
         With ``succeeded_attempt``, the same statement marks that attempt succeeded.
         """
-        params = self._fence_params() | {"result": encoded_result}
+        params = {"task_id": self.task_id, "token": self.token, "result": encoded_result}
         if succeeded_attempt is None:
-            row = conn.execute(self._statement(sql.ACK), params).fetchone()
+            acked = conn.execute(self._statement(sql.ACK), params).rowcount == 1
         else:
             params["attempt_id"] = succeeded_attempt
-            row = conn.execute(self._statement(sql.SUCCEED_AND_ACK), params).fetchone()
-        if row is None:
+            statement = self._statement(sql.SUCCEED_AND_ACK)
+            acked = conn.execute(statement, params).fetchone() is not None
+        if not acked:
             self._raise_lost(conn, "ack")
 
     def mark_acked(self) -> None:

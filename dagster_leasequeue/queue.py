@@ -20,6 +20,8 @@ from psycopg_pool import ConnectionPool
 from . import schema as schema_module, sql
 from .attempts import Attempt, attempt_key, run_attempt
 from .connection import (
+    BorrowedConnection,
+    BorrowedStatements,
     CachedConnection,
     ConnectionCache,
     DatabaseErrors,
@@ -588,11 +590,11 @@ class LeaseQueue:
 
     def _connection(self) -> AbstractContextManager[psycopg.Connection[Any]]:
         """A pooled connection for the package's own statements, with errors mapped."""
-        return self._connections.connection(self._database_errors)
+        return BorrowedConnection(self._connections, self._database_errors)
 
     def _statements(self) -> AbstractContextManager[CachedConnection]:
         """A kept connection with a cursor per statement, for the hot ones (claim, ack)."""
-        return self._connections.statements(self._database_errors)
+        return BorrowedStatements(self._connections, self._database_errors)
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:

@@ -288,6 +288,7 @@ CLAIM_MANY = (
 # whose statement changed nothing can tell its own earlier conclusion from a lost lease.
 _FENCE = "id = %(task_id)s AND lease_token = %(token)s AND status = 'processing'"
 
+# No RETURNING: the row count tells whether the fence matched.
 ACK = (
     """
     UPDATE {schema}.tasks
@@ -295,9 +296,6 @@ ACK = (
         finished_at = clock_timestamp(), updated_at = clock_timestamp()
     WHERE """
     + _FENCE
-    + """
-    RETURNING id
-"""
 )
 
 FAIL = (
@@ -539,7 +537,7 @@ SUCCEED_AND_ACK = (
         WHERE id = %(attempt_id)s
     ), acked AS ("""
     + ACK
-    + """)
+    + """ RETURNING id)
     SELECT id FROM acked
 """
 )
