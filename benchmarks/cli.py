@@ -17,6 +17,7 @@ from benchmarks import (
     bench_memory,
     bench_plans,
     bench_polling,
+    bench_renew,
     bench_sweep,
     config as presets,
     plot,
@@ -42,6 +43,7 @@ RUNNERS: dict[str, Section] = {
     "enqueue": Section(bench_enqueue.run, lambda r: bench_enqueue.render(r.enqueue or [])),
     "latency": Section(bench_latency.run, lambda r: bench_latency.render(r.latency or [])),
     "plans": Section(bench_plans.run, lambda r: bench_plans.render(r.plans or [])),
+    "renew": Section(bench_renew.run, lambda r: bench_renew.render(r.renew or [])),
     "drain": Section(bench_drain.run_matrix, lambda r: bench_drain.render_matrix(r.drain or [])),
     "sweeper": Section(
         bench_drain.run_sweeper,

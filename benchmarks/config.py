@@ -8,7 +8,17 @@ from pathlib import Path
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-SECTIONS = ("enqueue", "latency", "plans", "drain", "sweeper", "polling", "memory", "sweep")
+SECTIONS = (
+    "enqueue",
+    "latency",
+    "plans",
+    "renew",
+    "drain",
+    "sweeper",
+    "polling",
+    "memory",
+    "sweep",
+)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from benchmarks.bench_latency import LatencyResult
 from benchmarks.bench_memory import MemoryResult
 from benchmarks.bench_plans import PlanCheck
 from benchmarks.bench_polling import PollingResult
+from benchmarks.bench_renew import RenewResult
 from benchmarks.bench_sweep import SweepResult
 from benchmarks.config import BenchConfig
 from benchmarks.drain import DrainResult
@@ -41,6 +42,7 @@ class Results:
     enqueue: list[EnqueueResult] | None = None
     latency: list[LatencyResult] | None = None
     plans: list[PlanCheck] | None = None
+    renew: list[RenewResult] | None = None
     drain: list[DrainResult] | None = None
     sweeper: SweeperResult | None = None
     polling: list[PollingResult] | None = None

@@ -159,6 +159,8 @@ class CachedConnection:
     statement than last time looks up how to adapt every parameter and column again. On a
     claim or an ack that is a good part of the client's CPU, so each statement the queue
     runs here keeps its own cursor (up to MAX_CURSORS; any further ones share a cursor).
+    A cursor holds its last result until its statement runs again: at most the rows of
+    one claim per connection, which the worker's leases hold decoded anyway.
     """
 
     MAX_CURSORS = 8
