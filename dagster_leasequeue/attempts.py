@@ -90,10 +90,11 @@ def run_attempt(
     The package's own statements run on the connection's per-statement cursors, the
     caller's effects on ``attempt.connection``: both in the same transaction.
 
-        The transaction begins with the first statement run on ``attempt.connection`` (or with
-        the success mark), so work done before writing holds no lock. A session left idle in
-        that transaction for ``idle_timeout`` seconds (a paused process) is ended by the server,
-        releasing whatever rows it locked for the worker that took its place.
+    The transaction begins with the first statement or ``transaction()`` block run on
+    ``attempt.connection`` (or with the success mark), so work done before writing holds no
+    lock. A session left idle in that transaction for ``idle_timeout`` seconds (a paused
+    process) is ended by the server, releasing whatever rows it locked for the worker that
+    took its place.
     """
     # The session is reset when the attempt ends: by its commit, else in the finally below.
     conn = cached.conn
@@ -138,6 +139,7 @@ def _run(
     session_reset = False
     try:
         conn.autocommit = False
+        conn.in_attempt = True
         try:
             yield attempt
             encoded = encode_result(attempt.result)
@@ -153,6 +155,7 @@ def _run(
             _rollback(conn)
             raise
         finally:
+            conn.in_attempt = False
             if not conn.closed:
                 conn.autocommit = True
     except _SucceededElsewhere:

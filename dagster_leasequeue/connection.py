@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import psycopg
-from psycopg import errors as pg_errors, pq
+from psycopg import Transaction, errors as pg_errors, pq
 from psycopg.abc import Params
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -44,9 +44,33 @@ def connection_options(*, connect_timeout: float, prepared_statements: bool) -> 
     return options
 
 
+class QueueConnection(psycopg.Connection[Any]):
+    """The class of the pool's connections: psycopg's, with one change inside an attempt.
+
+    An attempt's transaction begins with its first statement, so that work done before
+    writing holds no transaction open. psycopg makes a ``transaction()`` block entered
+    before any statement the outer transaction, and commits it when the block ends: the
+    effects would commit before the attempt's success mark, and again on a retry. Inside
+    an attempt, such a block first begins the attempt's transaction, and so becomes a
+    savepoint within it.
+    """
+
+    in_attempt = False
+
+    @contextmanager
+    def transaction(
+        self, savepoint_name: str | None = None, force_rollback: bool = False
+    ) -> Iterator[Transaction]:
+        if self.in_attempt and self.pgconn.transaction_status == _IDLE:
+            # Any statement makes psycopg send the BEGIN of the attempt's transaction.
+            self.execute("SELECT 1")
+        with super().transaction(savepoint_name, force_rollback) as transaction:
+            yield transaction
+
+
 def open_pool(
     dsn: str, *, pool_size: int, connect_timeout: float, options: dict[str, Any], name: str
-) -> ConnectionPool:
+) -> ConnectionPool[QueueConnection]:
     """Open a pool of autocommit connections, failing fast with a clear error.
 
     One direct connection is made first: a pool retries a bad DSN in the background until
@@ -59,8 +83,9 @@ def open_pool(
         raise DatabaseUnavailable(
             f"cannot connect to PostgreSQL at {where}: {redact(str(exc).strip(), dsn)}"
         ) from None
-    pool: ConnectionPool = ConnectionPool(
+    pool = ConnectionPool(
         dsn,
+        connection_class=QueueConnection,
         min_size=1,
         max_size=pool_size,
         kwargs=options,
@@ -167,7 +192,7 @@ class CachedConnection:
 
     __slots__ = ("_cursors", "_shared", "conn", "taken_at")
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: QueueConnection) -> None:
         self.conn = conn
         self.taken_at = time.monotonic()
         self._cursors: dict[str, psycopg.Cursor[Any]] = {}
@@ -209,7 +234,7 @@ class ConnectionCache:
 
     REFRESH_SECONDS = 300.0
 
-    def __init__(self, pool: ConnectionPool) -> None:
+    def __init__(self, pool: ConnectionPool[QueueConnection]) -> None:
         self._pool = pool
         self._lock = threading.Lock()
         self._idle: list[CachedConnection] = []

@@ -25,6 +25,7 @@ from .connection import (
     CachedConnection,
     ConnectionCache,
     DatabaseErrors,
+    QueueConnection,
     SharedConnection,
     connection_options,
     open_pool,
@@ -96,7 +97,7 @@ class LeaseQueue:
             connect_timeout=self.settings.connect_timeout,
             prepared_statements=self.settings.prepared_statements,
         )
-        self._pool: ConnectionPool = open_pool(
+        self._pool: ConnectionPool[QueueConnection] = open_pool(
             dsn,
             pool_size=self.settings.pool_size,
             connect_timeout=self.settings.connect_timeout,

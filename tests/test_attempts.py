@@ -93,6 +93,36 @@ def test_an_error_rolls_back_the_effect_and_keeps_the_key_open(results: LeaseQue
     assert outcomes == [("failed", "RuntimeError: ocr crashed"), ("succeeded", None)]
 
 
+def test_a_transaction_block_as_the_first_statement_commits_with_the_attempt(
+    results: LeaseQueue,
+) -> None:
+    # psycopg would make the block the outer transaction and commit it at its end.
+    queue = results
+    queue.enqueue({"doc": "first.pdf"})
+    lease = queue.claim()
+    assert lease is not None
+    with pytest.raises(RuntimeError, match="after"), queue.attempt(lease=lease) as attempt:
+        with attempt.connection.transaction():
+            write_result(attempt, "first.pdf", 1)
+        raise RuntimeError("failed after the block")
+    assert count_results(queue) == 0
+    run_sql(queue, "UPDATE {schema}.tasks SET run_at = clock_timestamp()")
+    lease = queue.claim()
+    assert lease is not None
+    with queue.attempt(lease=lease) as attempt:
+        # A block that fails inside the attempt is a savepoint: only it is rolled back.
+        with pytest.raises(RuntimeError), attempt.connection.transaction():
+            write_result(attempt, "draft.pdf", 1)
+            raise RuntimeError("discard the draft")
+        with attempt.connection.transaction():
+            write_result(attempt, "first.pdf", 1)
+    assert run_sql(queue, "SELECT doc FROM {schema}.results") == [("first.pdf",)]
+    assert [r.outcome for r in queue.attempts(f"default:{lease.task_id}")] == [
+        "failed",
+        "succeeded",
+    ]
+
+
 def test_a_lost_lease_rolls_back_the_effect(results: LeaseQueue) -> None:
     queue = results
     task_id = queue.enqueue({"doc": "report.pdf"})
