@@ -60,8 +60,8 @@ class JsonbLoader(Loader):
     """Reads jsonb in text form straight into Python, as ``json.loads`` would.
 
     The server writes jsonb in one canonical form: valid JSON, no whitespace around it. So
-    the decoder's scanner can read it at once, skipping the encoding detection and the
-    whitespace checks of ``json.loads``; on a claim that is a tenth of the client's work.
+    the decoder can read it at once, skipping the encoding detection and the whitespace
+    checks of ``json.loads``: about 5% of a claim and ack's client instructions.
     """
 
     def load(self, data: Buffer) -> Any:
