@@ -63,7 +63,7 @@ class QueueConnection(psycopg.Connection[Any]):
     ) -> Iterator[Transaction]:
         if self.in_attempt and self.pgconn.transaction_status == _IDLE:
             # Any statement makes psycopg send the BEGIN of the attempt's transaction.
-            self.execute("SELECT 1")
+            self.execute(sql.NO_OP)
         with super().transaction(savepoint_name, force_rollback) as transaction:
             yield transaction
 

@@ -129,7 +129,7 @@ class Lease:
         :meth:`mark_acked`); this is how an attempt makes its effects and the ack atomic.
         With ``succeeded_attempt``, the same statement marks that attempt succeeded.
         """
-        params = {"task_id": self.task_id, "token": self.token, "result": encoded_result}
+        params = self._fence_params() | {"result": encoded_result}
         if succeeded_attempt is None:
             acked = conn.execute(self._statement(sql.ACK), params).rowcount == 1
         else:

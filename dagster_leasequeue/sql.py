@@ -573,6 +573,10 @@ RESET_SESSION = (
 # An attempt's commit and that reset in one round trip (one simple query).
 COMMIT_AND_RESET_SESSION = "COMMIT; " + RESET_SESSION
 
+# A statement that does nothing: on a connection out of autocommit, psycopg sends the
+# transaction's BEGIN before it.
+NO_OP = "SELECT 1"
+
 
 def listen_statement(schema: str) -> str:
     """LISTEN on the schema's notification channel."""
