@@ -20,7 +20,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from . import sql
-from .connection import CachedConnection, Executor, commit_and_reset_session, reset_session
+from .connection import CachedConnection, Executor, reset_session
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TransactionAbandoned
 from .lease import Lease, _describe_error
 
@@ -142,14 +142,7 @@ def _run(
         conn.in_attempt = True
         try:
             yield attempt
-            encoded = encode_result(attempt.result)
-            if not attempt.duplicate:
-                _mark_succeeded(cached, schema, attempt, lease, encoded, errors)
-            elif lease is not None:
-                with errors():
-                    lease.ack_on(cached, encoded)
-            with errors():
-                commit_and_reset_session(conn)
+            _conclude(cached, schema, attempt, lease, encode_result(attempt.result), errors)
             session_reset = True
         except BaseException:
             _rollback(conn)
@@ -187,23 +180,39 @@ def _rollback(conn: psycopg.Connection[Any]) -> None:
         conn.close()
 
 
-def _mark_succeeded(
-    conn: Executor,
+def _conclude(
+    cached: CachedConnection,
     schema: str,
     attempt: Attempt,
     lease: Lease | None,
     encoded_result: str | None,
     errors: Callable[[], AbstractContextManager[None]],
 ) -> None:
-    """The success mark, with the lease's fenced ack in the same statement when there is one."""
+    """The success mark, the lease's fenced ack, the commit and the session's reset.
+
+    One round trip (see sql.CONCLUDE_ATTEMPT); the COMMIT runs only if the mark and the
+    ack both went through.
+    """
+    params = {
+        "attempt_id": None if attempt.duplicate else attempt.id,
+        "task_id": lease.task_id if lease else None,
+        "token": lease.token if lease else None,
+        "result": encoded_result,
+    }
     try:
-        if lease is None:
-            _finish(conn, schema, attempt, "succeeded", None, encoded_result)
-        else:
-            lease.ack_on(conn, encoded_result, succeeded_attempt=attempt.id)
-    except pg_errors.UniqueViolation:
-        raise _SucceededElsewhere() from None
-    except psycopg.Error:
+        cached.execute_script(sql.compose(sql.CONCLUDE_ATTEMPT, schema), params)
+    except pg_errors.UniqueViolation as exc:
+        # Only the success index means another attempt won; the caller's own unique
+        # constraints (deferred ones fail at COMMIT) are errors like any other.
+        if exc.diag.constraint_name == sql.SUCCESS_INDEX:
+            raise _SucceededElsewhere() from None
+        with errors():
+            raise
+    except psycopg.Error as exc:
+        if lease is not None and exc.sqlstate == sql.LEASE_GONE:
+            cached.conn.rollback()
+            with errors():
+                lease.raise_lost_on(cached, "ack")
         with errors():
             raise
 

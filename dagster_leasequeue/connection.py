@@ -190,13 +190,14 @@ class CachedConnection:
 
     MAX_CURSORS = 8
 
-    __slots__ = ("_cursors", "_shared", "conn", "taken_at")
+    __slots__ = ("_cursors", "_script", "_shared", "conn", "taken_at")
 
     def __init__(self, conn: QueueConnection) -> None:
         self.conn = conn
         self.taken_at = time.monotonic()
         self._cursors: dict[str, psycopg.Cursor[Any]] = {}
         self._shared: psycopg.Cursor[Any] | None = None
+        self._script: psycopg.ClientCursor[Any] | None = None
 
     def execute(self, query: str, params: Params | None = None) -> psycopg.Cursor[Any]:
         """Run ``query`` on its own cursor (statements are compared by identity first)."""
@@ -204,6 +205,16 @@ class CachedConnection:
         if cursor is None:
             cursor = self._cursor_for(query)
         return cursor.execute(query, params)
+
+    def execute_script(self, script: str, params: Params) -> None:
+        """Run several statements in one round trip, their values bound by the client.
+
+        psycopg quotes each value; the server parses the text each time and prepares
+        nothing, so a script should call functions or statements that are cheap to plan.
+        """
+        if self._script is None:
+            self._script = psycopg.ClientCursor(self.conn)
+        self._script.execute(script, params, prepare=False)
 
     def _cursor_for(self, query: str) -> psycopg.Cursor[Any]:
         if len(self._cursors) < self.MAX_CURSORS:
@@ -341,11 +352,6 @@ def reset_session(conn: psycopg.Connection[Any]) -> None:
         conn.execute(sql.RESET_SESSION, prepare=False)
     except psycopg.Error:
         conn.close()  # the pool discards a closed connection
-
-
-def commit_and_reset_session(conn: psycopg.Connection[Any]) -> None:
-    """Commit, then reset the session as :func:`reset_session` does, in one round trip."""
-    conn.execute(sql.COMMIT_AND_RESET_SESSION, prepare=False)
 
 
 class SharedConnection:

@@ -120,24 +120,15 @@ class Lease:
             self.ack_on(conn, encoded)
             self._outcome = "acked"
 
-    def ack_on(
-        self, conn: Executor, encoded_result: str | None, *, succeeded_attempt: int | None = None
-    ) -> None:
+    def ack_on(self, conn: Executor, encoded_result: str | None) -> None:
         """Run the fenced ack on ``conn``, inside the caller's transaction if it has one.
 
         The caller marks the lease finished once that transaction commits (see
         :meth:`mark_acked`); this is how an attempt makes its effects and the ack atomic.
-        With ``succeeded_attempt``, the same statement marks that attempt succeeded.
         """
         params = self._fence_params() | {"result": encoded_result}
-        if succeeded_attempt is None:
-            acked = conn.execute(self._statement(sql.ACK), params).rowcount == 1
-        else:
-            params["attempt_id"] = succeeded_attempt
-            statement = self._statement(sql.SUCCEED_AND_ACK)
-            acked = conn.execute(statement, params).fetchone() is not None
-        if not acked:
-            self._raise_lost(conn, "ack")
+        if conn.execute(self._statement(sql.ACK), params).rowcount != 1:
+            self.raise_lost_on(conn, "ack")
 
     def mark_acked(self) -> None:
         """Record that an ack run through :meth:`ack_on` has committed."""
@@ -170,7 +161,7 @@ class Lease:
             self._refuse_if_finished("fail")
             row = conn.execute(self._statement(sql.FAIL), params).fetchone()
             if row is None:
-                self._raise_lost(conn, "fail")
+                self.raise_lost_on(conn, "fail")
             self._outcome = "failed"
         return str(row[0])
 
@@ -188,7 +179,7 @@ class Lease:
             with self._queue._renewal_connection() as conn:
                 row = conn.execute(self._statement(sql.RENEW), params).fetchone()
                 if row is None:
-                    self._raise_lost(conn, "renew")
+                    self.raise_lost_on(conn, "renew")
             self.expires_at = row[0]
             self.lease_seconds = seconds
             self._local_deadline = sent + seconds
@@ -239,7 +230,8 @@ class Lease:
                 f"cannot {action} task {self.task_id}: this lease already {self._outcome} it"
             )
 
-    def _raise_lost(self, conn: Executor, action: str) -> NoReturn:
+    def raise_lost_on(self, conn: Executor, action: str) -> NoReturn:
+        """Raise LeaseLost for ``action``, saying why the fence failed (read on ``conn``)."""
         row = conn.execute(self._statement(sql.LEASE_STATE), {"task_id": self.task_id}).fetchone()
         if row is None:
             reason = "the task no longer exists"

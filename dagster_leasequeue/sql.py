@@ -137,6 +137,42 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        4,
+        "an attempt's success mark and fenced ack as one function",
+        (
+            # Called in the same round trip as the attempt's COMMIT (see CONCLUDE_ATTEMPT):
+            # raising when the fence fails is what keeps that COMMIT from running. Its
+            # statements are the success mark of FINISH_ATTEMPT and the fenced ACK, as
+            # they stood at this version.
+            """
+            CREATE FUNCTION {schema}.conclude_attempt(
+                p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
+            ) RETURNS void LANGUAGE plpgsql AS $$
+            BEGIN
+                IF p_attempt_id IS NOT NULL THEN
+                    UPDATE {schema}.attempts
+                    SET outcome = 'succeeded', result = p_result,
+                        finished_at = clock_timestamp()
+                    WHERE id = p_attempt_id AND outcome IN ('running', 'abandoned');
+                END IF;
+                IF p_task_id IS NOT NULL THEN
+                    UPDATE {schema}.tasks
+                    SET status = 'done', result = p_result, lease_expires_at = NULL,
+                        finished_at = clock_timestamp(), updated_at = clock_timestamp()
+                    WHERE id = p_task_id AND lease_token = p_token
+                        AND status = 'processing';
+                    IF NOT FOUND THEN
+                        RAISE EXCEPTION 'the lease on task % under token % is gone',
+                            p_task_id, p_token
+                            USING ERRCODE = 'LQ001';
+                    END IF;
+                END IF;
+            END
+            $$
+            """,
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
@@ -169,6 +205,7 @@ WORKER_GRANTS = (
     "GRANT SELECT, INSERT, UPDATE ON {schema}.tasks, {schema}.attempts,"
     " {schema}.recovery_events TO {role}",
     "GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}",
+    "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {role}",
 )
 
 # -- producing ----------------------------------------------------------------------------
@@ -527,21 +564,6 @@ BEGIN_ATTEMPT = """
               set_config('synchronous_commit', 'off', true)
 """
 
-# An attempt's success mark and its lease's fenced ack in one statement (one round trip);
-# it returns no row when the ack found the lease gone. Both run in the attempt's transaction.
-SUCCEED_AND_ACK = (
-    """
-    WITH succeeded AS (
-        UPDATE {schema}.attempts
-        SET outcome = 'succeeded', result = %(result)s::jsonb, finished_at = clock_timestamp()
-        WHERE id = %(attempt_id)s
-    ), acked AS ("""
-    + ACK
-    + """ RETURNING id)
-    SELECT id FROM acked
-"""
-)
-
 # Only an unfinished attempt (or one another attempt took for dead while it still ran)
 # gets an outcome: a committed success is never overwritten.
 FINISH_ATTEMPT = """
@@ -570,8 +592,18 @@ RESET_SESSION = (
     "RESET ALL; RESET ROLE; RESET SESSION AUTHORIZATION; UNLISTEN *;"
     " SELECT pg_advisory_unlock_all()"
 )
-# An attempt's commit and that reset in one round trip (one simple query).
-COMMIT_AND_RESET_SESSION = "COMMIT; " + RESET_SESSION
+
+# How an attempt ends when its work is done: the success mark (attempt_id; NULL for a
+# duplicate), the lease's fenced ack (task_id and token; NULL without a lease), the commit
+# and the session's reset, in one round trip (one simple query, its values bound by the
+# client). When the fence fails the function raises LEASE_GONE, so the COMMIT never runs.
+CONCLUDE_ATTEMPT = (
+    "SELECT {schema}.conclude_attempt(%(attempt_id)s, %(task_id)s, %(token)s, %(result)s);"
+    " COMMIT; " + RESET_SESSION
+)
+LEASE_GONE = "LQ001"
+# The unique index that allows one success per key.
+SUCCESS_INDEX = "attempts_success_idx"
 
 # A statement that does nothing: on a connection out of autocommit, psycopg sends the
 # transaction's BEGIN before it.

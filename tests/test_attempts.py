@@ -9,7 +9,13 @@ from contextlib import nullcontext
 
 import pytest
 
-from dagster_leasequeue import Attempt, ConfigurationError, LeaseLost, LeaseQueue
+from dagster_leasequeue import (
+    Attempt,
+    ConfigurationError,
+    LeaseLost,
+    LeaseQueue,
+    LeaseQueueError,
+)
 
 from .helpers import expire, run_sql
 
@@ -128,17 +134,44 @@ def test_a_lost_lease_rolls_back_the_effect(results: LeaseQueue) -> None:
     task_id = queue.enqueue({"doc": "report.pdf"})
     stale = queue.claim()
     assert stale is not None
-    with pytest.raises(LeaseLost), queue.attempt(lease=stale) as attempt:
+    with (
+        pytest.raises(LeaseLost, match=r"cannot ack .* claimed again under token"),
+        queue.attempt(lease=stale) as attempt,
+    ):
         write_result(attempt, "report.pdf", 5)
         expire(queue, task_id)
         queue.sweep()
         fresh = queue.claim()
     assert count_results(queue) == 0
+    assert [r.outcome for r in queue.attempts(f"default:{task_id}")] == ["failed"]
     assert fresh is not None
     with queue.attempt(lease=fresh) as attempt:
         assert not attempt.duplicate
         write_result(attempt, "report.pdf", 5)
     assert count_results(queue) == 1 and queue.get(task_id).status == "done"
+
+
+def test_a_unique_violation_of_the_callers_own_at_commit_is_an_error_not_a_duplicate(
+    queue: LeaseQueue,
+) -> None:
+    # A deferred constraint is checked by the COMMIT that ends the attempt, in the same
+    # round trip as the success mark; only the package's success index means "duplicate".
+    run_sql(
+        queue,
+        "CREATE TABLE {schema}.ledger (entry text UNIQUE DEFERRABLE INITIALLY DEFERRED)",
+    )
+    run_sql(queue, "INSERT INTO {schema}.ledger VALUES ('taken')")
+    task_id = queue.enqueue({"entry": "taken"})
+    lease = queue.claim()
+    assert lease is not None
+    with (
+        pytest.raises(LeaseQueueError, match="UniqueViolation"),
+        queue.attempt(lease=lease) as attempt,
+    ):
+        attempt.connection.execute(f'INSERT INTO "{queue.schema}".ledger VALUES (%s)', ("taken",))
+    assert [r.outcome for r in queue.attempts(f"default:{task_id}")] == ["failed"]
+    assert queue.get(task_id).status == "enqueued"  # failed back, to be retried
+    assert run_sql(queue, "SELECT count(*) FROM {schema}.ledger")[0][0] == 1
 
 
 def test_a_stale_lease_cannot_start_an_attempt_after_its_renewal_failed(queue: LeaseQueue) -> None:
