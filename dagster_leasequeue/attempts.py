@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import psycopg
-from psycopg import errors as pg_errors
+from psycopg import errors as pg_errors, pq
 
 from . import sql
 from .connection import CachedConnection, Executor, reset_session
@@ -25,6 +25,8 @@ from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TransactionA
 from .lease import Lease, _describe_error
 
 logger = logging.getLogger("dagster_leasequeue")
+
+_IDLE = pq.TransactionStatus.IDLE
 
 
 class Attempt:
@@ -142,7 +144,15 @@ def _run(
         conn.in_attempt = True
         try:
             yield attempt
-            _conclude(cached, schema, attempt, lease, encode_result(attempt.result), errors)
+            encoded = encode_result(attempt.result)
+            if conn.pgconn.transaction_status == _IDLE:
+                # The work ran no statement (a duplicate, or effects kept elsewhere): no
+                # transaction to open just to conclude.
+                conn.autocommit = True
+                script = sql.CONCLUDE_EMPTY_ATTEMPT
+            else:
+                script = sql.CONCLUDE_ATTEMPT
+            _conclude(cached, sql.compose(script, schema), attempt, lease, encoded, errors)
             session_reset = True
         except BaseException:
             _rollback(conn)
@@ -182,7 +192,7 @@ def _rollback(conn: psycopg.Connection[Any]) -> None:
 
 def _conclude(
     cached: CachedConnection,
-    schema: str,
+    script: str,
     attempt: Attempt,
     lease: Lease | None,
     encoded_result: str | None,
@@ -190,8 +200,8 @@ def _conclude(
 ) -> None:
     """The success mark, the lease's fenced ack, the commit and the session's reset.
 
-    One round trip (see sql.CONCLUDE_ATTEMPT); the COMMIT runs only if the mark and the
-    ack both went through.
+    One round trip (``script``: see sql.CONCLUDE_ATTEMPT); the commit happens only if the
+    mark and the ack both went through.
     """
     params = {
         "attempt_id": None if attempt.duplicate else attempt.id,
@@ -200,7 +210,7 @@ def _conclude(
         "result": encoded_result,
     }
     try:
-        cached.execute_script(sql.compose(sql.CONCLUDE_ATTEMPT, schema), params)
+        cached.execute_script(script, params)
     except pg_errors.UniqueViolation as exc:
         # Only the success index means another attempt won; the caller's own unique
         # constraints (deferred ones fail at COMMIT) are errors like any other.

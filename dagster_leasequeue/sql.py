@@ -597,10 +597,11 @@ RESET_SESSION = (
 # duplicate), the lease's fenced ack (task_id and token; NULL without a lease), the commit
 # and the session's reset, in one round trip (one simple query, its values bound by the
 # client). When the fence fails the function raises LEASE_GONE, so the COMMIT never runs.
-CONCLUDE_ATTEMPT = (
-    "SELECT {schema}.conclude_attempt(%(attempt_id)s, %(task_id)s, %(token)s, %(result)s);"
-    " COMMIT; " + RESET_SESSION
-)
+_CONCLUDE = "SELECT {schema}.conclude_attempt(%(attempt_id)s, %(task_id)s, %(token)s, %(result)s); "
+CONCLUDE_ATTEMPT = _CONCLUDE + "COMMIT; " + RESET_SESSION
+# When the work ran no statement there is no transaction to commit: the simple query is
+# one implicit transaction, committed when it ends, and no BEGIN is needed before it.
+CONCLUDE_EMPTY_ATTEMPT = _CONCLUDE + RESET_SESSION
 LEASE_GONE = "LQ001"
 # The unique index that allows one success per key.
 SUCCESS_INDEX = "attempts_success_idx"

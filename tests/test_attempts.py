@@ -151,6 +151,37 @@ def test_a_lost_lease_rolls_back_the_effect(results: LeaseQueue) -> None:
     assert count_results(queue) == 1 and queue.get(task_id).status == "done"
 
 
+def test_an_attempt_that_runs_no_statement_acks_in_one_round_trip(queue: LeaseQueue) -> None:
+    # Its result is written, its success marked and its lease acked without a transaction
+    # opened for the purpose; a lost lease still writes nothing.
+    notices: list[str] = []
+    done_id = queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    with queue.attempt(lease=lease) as attempt:
+        attempt.connection.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+        attempt.result = {"computed": True}
+    assert queue.get(done_id).status == "done"
+    assert queue.get(done_id).result == {"computed": True}
+    assert [r.outcome for r in queue.attempts(f"default:{done_id}")] == ["succeeded"]
+    assert notices == []  # no "there is no transaction in progress"
+
+    lost_id = queue.enqueue({"n": 2})
+    stale = queue.claim()
+    assert stale is not None
+    with (
+        pytest.raises(LeaseLost, match="claimed again"),
+        queue.attempt(lease=stale) as attempt,
+    ):
+        expire(queue, lost_id)
+        queue.sweep()
+        fresh = queue.claim()
+        attempt.result = {"computed": True}
+    assert fresh is not None and queue.get(lost_id).status == "processing"
+    assert queue.get(lost_id).result is None
+    assert [r.outcome for r in queue.attempts(f"default:{lost_id}")] == ["failed"]
+
+
 def test_a_unique_violation_of_the_callers_own_at_commit_is_an_error_not_a_duplicate(
     queue: LeaseQueue,
 ) -> None:
