@@ -17,6 +17,7 @@ LATENCY_STRATEGIES = (
     "sql_one",
     "lq_one",
     "lq_attempt",
+    "lq_attempt_effect",
     "raw_one_unprepared",
     "lq_one_unprepared",
 )

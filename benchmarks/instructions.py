@@ -20,7 +20,15 @@ from benchmarks.report import table
 from benchmarks.strategies import STRATEGIES
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
-DEFAULT_STRATEGIES = ("raw_one", "sql_one", "lq_one", "raw_batch", "lq_batch", "lq_attempt")
+DEFAULT_STRATEGIES = (
+    "raw_one",
+    "sql_one",
+    "lq_one",
+    "raw_batch",
+    "lq_batch",
+    "lq_attempt",
+    "lq_attempt_effect",
+)
 SMALL, LARGE = 300, 1_300
 _COLLECTED = re.compile(r"Collected : (\d+)")
 

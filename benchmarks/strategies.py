@@ -155,20 +155,57 @@ class BatchedPackageDrainer(PackageDrainer):
 
 
 class AttemptPackageDrainer(PackageDrainer):
-    """The idempotency path: each lease concluded by ``queue.attempt(lease=lease)``.
+    """The idempotency path on the no-op tasks of the other drains.
 
-    The trivial effect is one row inserted through the attempt's connection, so it commits
-    with the success mark and the fenced ack.
+    Each lease is concluded by ``queue.attempt(lease=lease)`` with nothing written inside,
+    so what it adds to ``lq_one`` is the attempt's own bookkeeping: the record that it
+    started, then the success mark with the fenced ack.
+    """
+
+    def finish(self, claimed: Sequence[Lease]) -> None:
+        for lease in claimed:
+            with self.queue.attempt(lease=lease):
+                pass
+
+
+def effect_statement(schema: str) -> str:
+    """One row per task in the effects table: the trivial effect of the ``_effect`` drains."""
+    return (
+        sql.SQL("INSERT INTO {} (task_id) VALUES (%s)")
+        .format(sql.Identifier(schema, EFFECTS_TABLE))
+        .as_string(None)
+    )
+
+
+class EffectPackageDrainer(PackageDrainer):
+    """``lq_one`` with one row written per task before the ack, without the attempts.
+
+    The row is written on a connection of the worker's own, as a worker that acks after
+    its effect (at least once) would: the baseline for ``lq_attempt_effect``.
     """
 
     def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
         super().__init__(dsn, schema, batch, prepared)
-        # Rendered once, as a worker would hold its statement.
-        self._effect = (
-            sql.SQL("INSERT INTO {} (task_id) VALUES (%s)")
-            .format(sql.Identifier(schema, EFFECTS_TABLE))
-            .as_string(None)
-        )
+        self._effect = effect_statement(schema)
+        self._conn = connect(dsn, prepared=prepared)
+
+    def finish(self, claimed: Sequence[Lease]) -> None:
+        for lease in claimed:
+            self._conn.execute(self._effect, (lease.task_id,))
+            lease.ack()
+
+    def close(self) -> None:
+        self._conn.close()
+        super().close()
+
+
+class AttemptEffectPackageDrainer(PackageDrainer):
+    """The idempotency path with the same one-row effect, written through the attempt's
+    connection, so it commits with the success mark and the fenced ack."""
+
+    def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
+        super().__init__(dsn, schema, batch, prepared)
+        self._effect = effect_statement(schema)
 
     def finish(self, claimed: Sequence[Lease]) -> None:
         for lease in claimed:
@@ -210,6 +247,14 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("lq_one", "claim() + lease.ack()", "raw_one", 1, PackageDrainer),
         Strategy("lq_batch", "claim_many + ack_many", "raw_batch", 0, BatchedPackageDrainer),
         Strategy("lq_attempt", "claim() + attempt(lease)", "lq_one", 1, AttemptPackageDrainer),
+        Strategy("lq_one_effect", "lq_one, a row written first", "lq_one", 1, EffectPackageDrainer),
+        Strategy(
+            "lq_attempt_effect",
+            "lq_attempt, the row written inside",
+            "lq_one_effect",
+            1,
+            AttemptEffectPackageDrainer,
+        ),
         Strategy("sql_one", "package SQL, bare psycopg", "raw_one", 1, PackageSqlDrainer, True),
         Strategy(
             "sql_batch", "package SQL batch, bare psycopg", "raw_batch", 0, PackageSqlDrainer, True
@@ -229,4 +274,14 @@ STRATEGIES: dict[str, Strategy] = {
         ),
     )
 }
-DRAIN_ORDER = ("raw_one", "raw_batch", "sql_one", "sql_batch", "lq_one", "lq_batch", "lq_attempt")
+DRAIN_ORDER = (
+    "raw_one",
+    "raw_batch",
+    "sql_one",
+    "sql_batch",
+    "lq_one",
+    "lq_batch",
+    "lq_attempt",
+    "lq_one_effect",
+    "lq_attempt_effect",
+)
