@@ -152,7 +152,7 @@ def _run(
                 script = sql.CONCLUDE_EMPTY_ATTEMPT
             else:
                 script = sql.CONCLUDE_ATTEMPT
-            _conclude(cached, sql.compose(script, schema), attempt, lease, encoded, errors)
+            _conclude(cached, schema, script, attempt, lease, encoded, errors)
             session_reset = True
         except BaseException:
             _rollback(conn)
@@ -192,6 +192,7 @@ def _rollback(conn: psycopg.Connection[Any]) -> None:
 
 def _conclude(
     cached: CachedConnection,
+    schema: str,
     script: str,
     attempt: Attempt,
     lease: Lease | None,
@@ -210,18 +211,18 @@ def _conclude(
         "result": encoded_result,
     }
     try:
-        cached.execute_script(script, params)
+        cached.execute_script(sql.compose(script, schema), params)
     except pg_errors.UniqueViolation as exc:
         # Only the success index means another attempt won; the caller's own unique
         # constraints (deferred ones fail at COMMIT) are errors like any other.
-        if exc.diag.constraint_name == sql.SUCCESS_INDEX:
+        if (exc.diag.schema_name, exc.diag.constraint_name) == (schema, sql.SUCCESS_INDEX):
             raise _SucceededElsewhere() from None
         with errors():
             raise
     except psycopg.Error as exc:
         if lease is not None and exc.sqlstate == sql.LEASE_GONE:
-            cached.conn.rollback()
             with errors():
+                cached.conn.rollback()
                 lease.raise_lost_on(cached, "ack")
         with errors():
             raise

@@ -143,8 +143,8 @@ MIGRATIONS: tuple[Migration, ...] = (
         (
             # Called in the same round trip as the attempt's COMMIT (see CONCLUDE_ATTEMPT):
             # raising when the fence fails is what keeps that COMMIT from running. Its
-            # statements are the success mark of FINISH_ATTEMPT and the fenced ACK, as
-            # they stood at this version.
+            # statements are the attempt's success mark (its own row, by id) and the fenced
+            # ACK, as they stood at this version.
             """
             CREATE FUNCTION {schema}.conclude_attempt(
                 p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
@@ -154,7 +154,7 @@ MIGRATIONS: tuple[Migration, ...] = (
                     UPDATE {schema}.attempts
                     SET outcome = 'succeeded', result = p_result,
                         finished_at = clock_timestamp()
-                    WHERE id = p_attempt_id AND outcome IN ('running', 'abandoned');
+                    WHERE id = p_attempt_id;
                 END IF;
                 IF p_task_id IS NOT NULL THEN
                     UPDATE {schema}.tasks
