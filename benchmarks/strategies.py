@@ -177,7 +177,16 @@ def effect_statement(schema: str) -> str:
     )
 
 
-class EffectPackageDrainer(PackageDrainer):
+class _EffectDrainer(PackageDrainer):
+    """A package drainer that writes the one-row effect of the ``_effect`` drains."""
+
+    def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
+        super().__init__(dsn, schema, batch, prepared)
+        # Rendered once, as a worker would hold its statement.
+        self._effect = effect_statement(schema)
+
+
+class EffectPackageDrainer(_EffectDrainer):
     """``lq_one`` with one row written per task before the ack, without the attempts.
 
     The row is written on a connection of the worker's own, as a worker that acks after
@@ -186,7 +195,6 @@ class EffectPackageDrainer(PackageDrainer):
 
     def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
         super().__init__(dsn, schema, batch, prepared)
-        self._effect = effect_statement(schema)
         self._conn = connect(dsn, prepared=prepared)
 
     def finish(self, claimed: Sequence[Lease]) -> None:
@@ -199,13 +207,9 @@ class EffectPackageDrainer(PackageDrainer):
         super().close()
 
 
-class AttemptEffectPackageDrainer(PackageDrainer):
+class AttemptEffectPackageDrainer(_EffectDrainer):
     """The idempotency path with the same one-row effect, written through the attempt's
     connection, so it commits with the success mark and the fenced ack."""
-
-    def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
-        super().__init__(dsn, schema, batch, prepared)
-        self._effect = effect_statement(schema)
 
     def finish(self, claimed: Sequence[Lease]) -> None:
         for lease in claimed:

@@ -212,14 +212,15 @@ def _conclude(
     }
     try:
         cached.execute_script(sql.compose(script, schema), params)
-    except pg_errors.UniqueViolation as exc:
+    except psycopg.Error as exc:
         # Only the success index means another attempt won; the caller's own unique
         # constraints (deferred ones fail at COMMIT) are errors like any other.
-        if (exc.diag.schema_name, exc.diag.constraint_name) == (schema, sql.SUCCESS_INDEX):
+        on_success_index = (exc.diag.schema_name, exc.diag.constraint_name) == (
+            schema,
+            sql.SUCCESS_INDEX,
+        )
+        if isinstance(exc, pg_errors.UniqueViolation) and on_success_index:
             raise _SucceededElsewhere() from None
-        with errors():
-            raise
-    except psycopg.Error as exc:
         if lease is not None and exc.sqlstate == sql.LEASE_GONE:
             with errors():
                 cached.conn.rollback()
