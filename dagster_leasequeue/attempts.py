@@ -109,7 +109,6 @@ def run_attempt(
                     "key": key,
                     "task_id": lease.task_id if lease else None,
                     "worker_id": worker_id,
-                    "idle_milliseconds": str(int(idle_timeout * 1000)),
                 },
             ).fetchone()
         assert row is not None
@@ -122,6 +121,7 @@ def run_attempt(
             abandoned=row[4],
             connection=conn,
         )
+        conn.attempt_settings = _attempt_settings(idle_timeout)
         session_reset = yield from _run(cached, schema, attempt, lease, errors, encode_result)
     finally:
         if not session_reset:
@@ -141,7 +141,6 @@ def _run(
     session_reset = False
     try:
         conn.autocommit = False
-        conn.in_attempt = True
         try:
             yield attempt
             encoded = encode_result(attempt.result)
@@ -158,7 +157,7 @@ def _run(
             _rollback(conn)
             raise
         finally:
-            conn.in_attempt = False
+            conn.attempt_settings = None
             if not conn.closed:
                 conn.autocommit = True
     except _SucceededElsewhere:
@@ -179,6 +178,11 @@ def _run(
     if lease is not None:
         lease.mark_acked()
     return session_reset
+
+
+def _attempt_settings(idle_timeout: float) -> bytes:
+    milliseconds = min(int(idle_timeout * 1000), sql.MAX_TIMEOUT_MILLISECONDS)
+    return sql.ATTEMPT_SETTINGS.format(milliseconds=milliseconds).encode()
 
 
 def _rollback(conn: psycopg.Connection[Any]) -> None:

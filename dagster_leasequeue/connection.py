@@ -12,8 +12,8 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import psycopg
-from psycopg import Transaction, errors as pg_errors, pq
-from psycopg.abc import Params
+from psycopg import Transaction, errors as pg_errors, generators, pq
+from psycopg.abc import Params, PQGen
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import sql
@@ -53,15 +53,42 @@ class QueueConnection(psycopg.Connection[Any]):
     effects would commit before the attempt's success mark, and again on a retry. Inside
     an attempt, such a block first begins the attempt's transaction, and so becomes a
     savepoint within it.
+
+    The attempt's own settings (``attempt_settings``) travel with the ``BEGIN`` psycopg
+    sends, as ``SET LOCAL``: they end with the transaction, so behind PgBouncer in
+    transaction mode they never reach the next client of the server connection, and they
+    are always in force on the server connection that runs the attempt's transaction.
     """
 
-    in_attempt = False
+    # Statements sent in the same simple query as the attempt's BEGIN; None outside one.
+    attempt_settings: bytes | None = None
+
+    def _start_query(self) -> PQGen[None]:
+        if (
+            self.attempt_settings is None
+            or self.autocommit
+            or self.pgconn.transaction_status != _IDLE
+        ):
+            yield from super()._start_query()
+            return
+        if self._pipeline:
+            # A pipeline queues each command on its own: no round trip to save.
+            yield from super()._start_query()
+            yield from self._exec_command(self.attempt_settings)
+            return
+        # psycopg sends its BEGIN as a command of one statement; the settings go in the
+        # same simple query, so the attempt's transaction costs no extra round trip.
+        self._check_connection_ok()
+        self.pgconn.send_query(self._get_tx_start_command() + b"; " + self.attempt_settings)
+        for result in (yield from generators.execute(self.pgconn)):
+            if result.status == pq.ExecStatus.FATAL_ERROR:
+                raise pg_errors.error_from_result(result, encoding=self.pgconn._encoding)
 
     @contextmanager
     def transaction(
         self, savepoint_name: str | None = None, force_rollback: bool = False
     ) -> Iterator[Transaction]:
-        if self.in_attempt and self.pgconn.transaction_status == _IDLE:
+        if self.attempt_settings is not None and self.pgconn.transaction_status == _IDLE:
             # Any statement makes psycopg send the BEGIN of the attempt's transaction.
             self.execute(sql.NO_OP)
         with super().transaction(savepoint_name, force_rollback) as transaction:

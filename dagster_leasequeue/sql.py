@@ -559,10 +559,16 @@ BEGIN_ATTEMPT = """
     FROM previous
     RETURNING id, attempt, outcome = 'skipped',
               (SELECT result FROM previous), (SELECT count(*) FROM abandoned),
-              -- the session ends if left idle inside the attempt's transaction this long
-              set_config('idle_in_transaction_session_timeout', %(idle_milliseconds)s, false),
               set_config('synchronous_commit', 'off', true)
 """
+
+# Sent with the BEGIN of an attempt's transaction (see QueueConnection): the session ends
+# if left idle inside that transaction this long. SET LOCAL, so it ends with the
+# transaction and never stays on a connection that PgBouncer hands to another client.
+ATTEMPT_SETTINGS = "SET LOCAL idle_in_transaction_session_timeout = {milliseconds}"
+
+# The longest idle timeout PostgreSQL accepts, in milliseconds (a 32-bit integer).
+MAX_TIMEOUT_MILLISECONDS = 2**31 - 1
 
 # Only an unfinished attempt (or one another attempt took for dead while it still ran)
 # gets an outcome: a committed success is never overwritten.
