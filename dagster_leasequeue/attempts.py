@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -32,15 +33,17 @@ _IDLE = pq.TransactionStatus.IDLE
 class Attempt:
     """One try at the work behind a key.
 
-    ``duplicate``: the key already succeeded; skip the work (``result`` holds the first
+    ``duplicate``: the work already succeeded; skip it (``result`` holds the first
     success's result). ``connection``: write effects through it, inside the attempt's
     transaction. Set ``result`` to store a JSON object with the success (and the ack).
+    ``key`` is the caller's key or the task's idempotency key (None for a task without
+    one); ``queue`` is the task's queue, None for a key the caller chose.
     """
 
     def __init__(
         self,
         *,
-        key: str,
+        target: AttemptTarget,
         attempt_id: int,
         number: int,
         duplicate: bool,
@@ -48,7 +51,9 @@ class Attempt:
         abandoned: int,
         connection: psycopg.Connection[Any],
     ) -> None:
-        self.key = key
+        self.key = target.key
+        self.queue = target.queue
+        self.target = target
         self.id = attempt_id
         self.number = number
         self.duplicate = duplicate
@@ -57,18 +62,45 @@ class Attempt:
         self.connection = connection
 
     def __repr__(self) -> str:
-        return f"Attempt(key={self.key!r}, number={self.number}, duplicate={self.duplicate})"
+        return (
+            f"Attempt(key={self.key!r}, queue={self.queue!r}, number={self.number}, "
+            f"duplicate={self.duplicate})"
+        )
 
 
-def attempt_key(key: str | None, lease: Lease | None) -> str:
-    """The key of an attempt: the given one, else the lease's idempotency key or queue:id."""
+@dataclass(frozen=True)
+class AttemptTarget:
+    """What an attempt is an attempt at; two attempts with equal targets are the same work.
+
+    A key the caller chooses (``queue`` None) lives in a space of its own, shared by every
+    queue. Otherwise the work is the task's: its queue and idempotency key, or, for a task
+    without one (``key`` None), the task itself.
+    """
+
+    queue: str | None
+    key: str | None
+    task_id: int | None
+
+    @property
+    def identity(self) -> str:
+        """The target as one text, injective (see sql._ATTEMPT_IDENTITY, which matches it)."""
+        if self.key is None:
+            return f"task:{self.task_id}"
+        if self.queue is None:
+            return f"key:{self.key}"
+        return f"queue:{len(self.queue)}:{self.queue}:{self.key}"
+
+
+def attempt_target(key: str | None, lease: Lease | None) -> AttemptTarget:
+    """The target of an attempt: the given key, else the lease's task (see AttemptTarget)."""
+    task_id = lease.task_id if lease is not None else None
     if key is not None:
         if not isinstance(key, str) or not key:
             raise ConfigurationError(f"an attempt key must be a non-empty string, got {key!r}")
-        return key
+        return AttemptTarget(queue=None, key=key, task_id=task_id)
     if lease is None:
         raise ConfigurationError("attempt() needs a key, a lease, or both")
-    return lease.idempotency_key or f"{lease.queue}:{lease.task_id}"
+    return AttemptTarget(queue=lease.queue, key=lease.idempotency_key, task_id=task_id)
 
 
 class _SucceededElsewhere(Exception):
@@ -80,7 +112,7 @@ def run_attempt(
     cached: CachedConnection,
     *,
     schema: str,
-    key: str,
+    target: AttemptTarget,
     lease: Lease | None,
     worker_id: str,
     errors: Callable[[], AbstractContextManager[None]],
@@ -106,14 +138,16 @@ def run_attempt(
             row = cached.execute(
                 sql.compose(sql.BEGIN_ATTEMPT, schema),
                 {
-                    "key": key,
-                    "task_id": lease.task_id if lease else None,
+                    "identity": target.identity,
+                    "queue": target.queue,
+                    "key": target.key,
+                    "task_id": target.task_id,
                     "worker_id": worker_id,
                 },
             ).fetchone()
         assert row is not None
         attempt = Attempt(
-            key=key,
+            target=target,
             attempt_id=row[0],
             number=row[1],
             duplicate=row[2],
@@ -244,7 +278,7 @@ def _adopt_success(
     """The key succeeded elsewhere while this attempt ran: it becomes a duplicate."""
     with errors():
         row = conn.execute(
-            sql.compose(sql.SUCCESS_FOR_KEY, schema), {"key": attempt.key}
+            sql.compose(sql.SUCCESS_FOR_IDENTITY, schema), {"identity": attempt.target.identity}
         ).fetchone()
         attempt.duplicate = True
         attempt.result = row[0] if row else None

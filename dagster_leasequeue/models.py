@@ -92,7 +92,7 @@ class AttemptRecord:
     """One row of the attempts (idempotency) table."""
 
     id: int
-    key: str
+    key: str | None
     attempt: int
     task_id: int | None
     worker_id: str | None
@@ -101,3 +101,5 @@ class AttemptRecord:
     result: dict[str, Any] | None
     started_at: datetime
     finished_at: datetime | None
+    # The task's queue when the attempt was at a task's work; None for a key of your own.
+    queue: str | None = None

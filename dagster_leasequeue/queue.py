@@ -18,7 +18,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from . import schema as schema_module, sql
-from .attempts import Attempt, attempt_key, run_attempt
+from .attempts import Attempt, AttemptTarget, attempt_target, run_attempt
 from .connection import (
     BorrowedConnection,
     BorrowedStatements,
@@ -552,8 +552,13 @@ class LeaseQueue:
 
         ``attempt.connection`` is inside the attempt's transaction: effects written through
         it, the success mark and, with a lease, the fenced ack commit together or not at
-        all. ``attempt.duplicate`` is true when the key already succeeded: skip the work.
-        With a lease and no key, the key is the task's idempotency key, else its queue and id.
+        all. ``attempt.duplicate`` is true when the work already succeeded: skip it.
+
+        With a lease and no key, the work is the task's: two tasks are the same work only
+        when they share their queue and idempotency key, and a task without an idempotency
+        key is work of its own. A ``key`` you choose names the work instead, in a space of
+        its own: the same key is the same work whatever the queue or task, and no task's
+        idempotency key is ever taken for it.
 
         Example::
 
@@ -562,7 +567,7 @@ class LeaseQueue:
                     attempt.connection.execute("INSERT INTO results ...")
                     attempt.result = {"rows": 1}
         """
-        resolved = attempt_key(key, lease)
+        target = attempt_target(key, lease)
         if lease is not None:
             lease.raise_if_lost()
         worker = worker_id or (lease.worker_id if lease else None) or self.default_worker_id
@@ -571,7 +576,7 @@ class LeaseQueue:
             run_attempt(
                 cached,
                 schema=self.schema,
-                key=resolved,
+                target=target,
                 lease=lease,
                 worker_id=worker,
                 errors=self._errors,
@@ -581,10 +586,31 @@ class LeaseQueue:
         ):
             yield attempt
 
-    def attempts(self, key: str) -> list[AttemptRecord]:
-        """Every recorded attempt for ``key``, oldest first."""
+    def attempts(
+        self, key: str | None = None, *, queue: str | None = None, task_id: int | None = None
+    ) -> list[AttemptRecord]:
+        """Every recorded attempt at one piece of work, oldest first.
+
+        ``attempts(key)``: the attempts made with a key you chose. ``attempts(key,
+        queue=...)``: the attempts at the tasks of that queue with that idempotency key.
+        ``attempts(task_id=...)``: the attempts at that task's work (its queue and
+        idempotency key, or the task itself when it has none).
+        """
         with self._connection() as conn:
-            rows = conn.execute(self._sql(sql.ATTEMPTS_FOR_KEY), {"key": key}).fetchall()
+            if task_id is not None:
+                if key is not None or queue is not None:
+                    raise ConfigurationError("give attempts() a task_id, or a key, not both")
+                row = conn.execute(self._sql(sql.TASK_ATTEMPT_KEY), {"task_id": task_id}).fetchone()
+                # A purged task is looked up as a task without idempotency key: by its id.
+                queue, key = (row[0], row[1]) if row else (None, None)
+                target = AttemptTarget(queue=queue, key=key, task_id=task_id)
+            elif key is None:
+                raise ConfigurationError("attempts() needs a key or a task_id")
+            else:
+                target = AttemptTarget(queue=queue, key=_check_key(key), task_id=None)
+            rows = conn.execute(
+                self._sql(sql.ATTEMPTS_FOR_IDENTITY), {"identity": target.identity}
+            ).fetchall()
         return [AttemptRecord(*row) for row in rows]
 
     # -- internals shared with Lease and the attempts ---------------------------------------

@@ -8,6 +8,13 @@ full lease.
 
 Migrations are numbered; :mod:`dagster_leasequeue.schema` applies the ones a database
 lacks. Never edit a released migration: append a new one.
+
+Upgrades must not stop a running queue. From migration 5 on, a migration that builds an
+index on ``tasks`` does it with ``CREATE INDEX CONCURRENTLY``, outside the migration's
+transaction (it cannot run inside one): a plain ``CREATE INDEX`` takes a lock that blocks
+every claim, ack and enqueue until the whole table is read. Such a statement must also be
+safe to run again (``IF NOT EXISTS``, and a check for an invalid index left by an
+interrupted build), since its effect is not rolled back with the version record.
 """
 
 from __future__ import annotations
@@ -28,6 +35,18 @@ class Migration(NamedTuple):
     description: str
     statements: tuple[str, ...]
 
+
+# What an attempt is an attempt at, as one text: a task without idempotency key is its own
+# work ("task:" + id); a key the caller chose is its own space ("key:" + key); else the
+# task's queue and idempotency key ("queue:" + the queue's length + ":" + queue + ":" +
+# key). The prefixes
+# and the length make it injective: no key a caller chooses reaches another's space.
+# dagster_leasequeue.attempts.attempt_identity computes the same text in Python.
+_ATTEMPT_IDENTITY = """
+    CASE WHEN key IS NULL THEN 'task:' || task_id
+         WHEN queue IS NULL THEN 'key:' || key
+         ELSE 'queue:' || length(queue) || ':' || queue || ':' || key END
+"""
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -170,6 +189,41 @@ MIGRATIONS: tuple[Migration, ...] = (
                 END IF;
             END
             $$
+            """,
+        ),
+    ),
+    Migration(
+        5,
+        "attempts identified by queue and idempotency key, or by the task itself",
+        (
+            # queue NULL: a key the caller chose; key NULL: a task without idempotency key.
+            """
+            ALTER TABLE {schema}.attempts
+                ADD COLUMN queue text,
+                ADD COLUMN identity text,
+                ALTER COLUMN key DROP NOT NULL
+            """,
+            # Until now a leased attempt's key was the task's idempotency key, else
+            # "<queue>:<task id>", in one space with the keys callers chose. Records that
+            # name their task and carry its default key move to that task's space; the
+            # rest (a key chosen by the caller, or a task since purged) keep their key.
+            """
+            UPDATE {schema}.attempts AS a
+            SET queue = t.queue,
+                key = CASE WHEN a.key = t.idempotency_key THEN a.key END
+            FROM {schema}.tasks AS t
+            WHERE a.task_id = t.id
+              AND (a.key = t.idempotency_key
+                   OR (t.idempotency_key IS NULL AND a.key = t.queue || ':' || t.id))
+            """,
+            "UPDATE {schema}.attempts SET identity = " + _ATTEMPT_IDENTITY,
+            "ALTER TABLE {schema}.attempts ALTER COLUMN identity SET NOT NULL",
+            "DROP INDEX {schema}.attempts_success_idx",
+            "DROP INDEX {schema}.attempts_key_idx",
+            "CREATE INDEX attempts_identity_idx ON {schema}.attempts (identity)",
+            """
+            CREATE UNIQUE INDEX attempts_success_idx ON {schema}.attempts (identity)
+                WHERE outcome = 'succeeded'
             """,
         ),
     ),
@@ -544,16 +598,17 @@ RETRY_DEAD = """
 BEGIN_ATTEMPT = """
     WITH abandoned AS (
         UPDATE {schema}.attempts SET outcome = 'abandoned', finished_at = clock_timestamp()
-        WHERE key = %(key)s AND outcome = 'running'
+        WHERE identity = %(identity)s AND outcome = 'running'
         RETURNING id
     ), previous AS (
         SELECT count(*) AS n,
                bool_or(outcome = 'succeeded') AS succeeded,
                (array_agg(result) FILTER (WHERE outcome = 'succeeded'))[1] AS result
-        FROM {schema}.attempts WHERE key = %(key)s
+        FROM {schema}.attempts WHERE identity = %(identity)s
     )
-    INSERT INTO {schema}.attempts (key, attempt, task_id, worker_id, outcome, finished_at)
-    SELECT %(key)s, previous.n + 1, %(task_id)s, %(worker_id)s,
+    INSERT INTO {schema}.attempts
+        (identity, queue, key, attempt, task_id, worker_id, outcome, finished_at)
+    SELECT %(identity)s, %(queue)s, %(key)s, previous.n + 1, %(task_id)s, %(worker_id)s,
            CASE WHEN previous.succeeded THEN 'skipped' ELSE 'running' END,
            CASE WHEN previous.succeeded THEN clock_timestamp() END
     FROM previous
@@ -579,14 +634,19 @@ FINISH_ATTEMPT = """
     WHERE id = %(attempt_id)s AND outcome IN ('running', 'abandoned')
 """
 
-SUCCESS_FOR_KEY = """
-    SELECT result FROM {schema}.attempts WHERE key = %(key)s AND outcome = 'succeeded'
+SUCCESS_FOR_IDENTITY = """
+    SELECT result FROM {schema}.attempts
+    WHERE identity = %(identity)s AND outcome = 'succeeded'
 """
 
-ATTEMPTS_FOR_KEY = """
-    SELECT id, key, attempt, task_id, worker_id, outcome, error, result, started_at, finished_at
-    FROM {schema}.attempts WHERE key = %(key)s ORDER BY id
+ATTEMPTS_FOR_IDENTITY = """
+    SELECT id, key, attempt, task_id, worker_id, outcome, error, result, started_at,
+           finished_at, queue
+    FROM {schema}.attempts WHERE identity = %(identity)s ORDER BY id
 """
+
+# The identity of a task's work: its queue and idempotency key, else the task itself.
+TASK_ATTEMPT_KEY = "SELECT queue, idempotency_key FROM {schema}.tasks WHERE id = %(task_id)s"
 
 
 # -- lent connections ---------------------------------------------------------------------

@@ -118,13 +118,13 @@ def demo() -> int:
     rows = summary_counts(queue)
     for document, count in rows:
         say("", f"{document}: {count} summary row(s)")
-    attempts = [f"{a.outcome} by {a.worker_id}" for a in queue.attempts(CONTRACT)]
+    attempts = [f"{a.outcome} by {a.worker_id}" for a in queue.attempts(CONTRACT, queue=QUEUE)]
     say("", f"attempts for {CONTRACT}: " + "; ".join(attempts))
 
     ok = (
         [count for _, count in rows] == [1] * len(DOCUMENTS)
         and queue.stats(QUEUE).counts["done"] == len(DOCUMENTS)
-        and [a.outcome for a in queue.attempts(CONTRACT)] == ["abandoned", "succeeded"]
+        and [a.outcome for a in queue.attempts(CONTRACT, queue=QUEUE)] == ["abandoned", "succeeded"]
     )
     say("6. Result")
     say(

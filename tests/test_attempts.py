@@ -56,7 +56,7 @@ def test_effect_success_and_ack_commit_together(results: LeaseQueue) -> None:
     info = queue.get(task_id)
     assert info.status == "done" and info.result == {"pages": 2}
     assert count_results(queue) == 1
-    (record,) = queue.attempts("invoice.pdf")
+    (record,) = queue.attempts("invoice.pdf", queue="default")
     assert (record.outcome, record.attempt, record.task_id) == ("succeeded", 1, task_id)
     assert record.finished_at is not None and record.worker_id == lease.worker_id
 
@@ -95,7 +95,7 @@ def test_an_error_rolls_back_the_effect_and_keeps_the_key_open(results: LeaseQue
         assert not attempt.duplicate and attempt.number == 2
         write_result(attempt, "scan.pdf", 1)
     assert count_results(queue) == 1
-    outcomes = [(r.outcome, r.error) for r in queue.attempts(f"default:{task_id}")]
+    outcomes = [(r.outcome, r.error) for r in queue.attempts(task_id=task_id)]
     assert outcomes == [("failed", "RuntimeError: ocr crashed"), ("succeeded", None)]
 
 
@@ -123,7 +123,7 @@ def test_a_transaction_block_as_the_first_statement_commits_with_the_attempt(
         with attempt.connection.transaction():
             write_result(attempt, "first.pdf", 1)
     assert run_sql(queue, "SELECT doc FROM {schema}.results") == [("first.pdf",)]
-    assert [r.outcome for r in queue.attempts(f"default:{lease.task_id}")] == [
+    assert [r.outcome for r in queue.attempts(task_id=lease.task_id)] == [
         "failed",
         "succeeded",
     ]
@@ -143,7 +143,7 @@ def test_a_lost_lease_rolls_back_the_effect(results: LeaseQueue) -> None:
         queue.sweep()
         fresh = queue.claim()
     assert count_results(queue) == 0
-    assert [r.outcome for r in queue.attempts(f"default:{task_id}")] == ["failed"]
+    assert [r.outcome for r in queue.attempts(task_id=task_id)] == ["failed"]
     assert fresh is not None
     with queue.attempt(lease=fresh) as attempt:
         assert not attempt.duplicate
@@ -163,7 +163,7 @@ def test_an_attempt_that_runs_no_statement_acks_in_one_round_trip(queue: LeaseQu
         attempt.result = {"computed": True}
     assert queue.get(done_id).status == "done"
     assert queue.get(done_id).result == {"computed": True}
-    assert [r.outcome for r in queue.attempts(f"default:{done_id}")] == ["succeeded"]
+    assert [r.outcome for r in queue.attempts(task_id=done_id)] == ["succeeded"]
     assert notices == []  # no "there is no transaction in progress"
 
     lost_id = queue.enqueue({"n": 2})
@@ -179,7 +179,7 @@ def test_an_attempt_that_runs_no_statement_acks_in_one_round_trip(queue: LeaseQu
         attempt.result = {"computed": True}
     assert fresh is not None and queue.get(lost_id).status == "processing"
     assert queue.get(lost_id).result is None
-    assert [r.outcome for r in queue.attempts(f"default:{lost_id}")] == ["failed"]
+    assert [r.outcome for r in queue.attempts(task_id=lost_id)] == ["failed"]
 
 
 def test_a_unique_violation_of_the_callers_own_at_commit_is_an_error_not_a_duplicate(
@@ -200,7 +200,7 @@ def test_a_unique_violation_of_the_callers_own_at_commit_is_an_error_not_a_dupli
         queue.attempt(lease=lease) as attempt,
     ):
         attempt.connection.execute(f'INSERT INTO "{queue.schema}".ledger VALUES (%s)', ("taken",))
-    assert [r.outcome for r in queue.attempts(f"default:{task_id}")] == ["failed"]
+    assert [r.outcome for r in queue.attempts(task_id=task_id)] == ["failed"]
     assert queue.get(task_id).status == "enqueued"  # failed back, to be retried
     assert run_sql(queue, "SELECT count(*) FROM {schema}.ledger")[0][0] == 1
 
@@ -219,7 +219,8 @@ def test_a_stale_lease_cannot_start_an_attempt_after_its_renewal_failed(queue: L
 def test_an_abandoned_attempt_is_marked_and_retried(queue: LeaseQueue) -> None:
     run_sql(
         queue,
-        "INSERT INTO {schema}.attempts (key, attempt, outcome) VALUES ('k', 1, 'running')",
+        "INSERT INTO {schema}.attempts (identity, key, attempt, outcome)"
+        " VALUES ('key:k', 'k', 1, 'running')",
     )
     with queue.attempt("k") as attempt:
         assert attempt.number == 2 and attempt.abandoned == 1 and not attempt.duplicate
@@ -344,3 +345,125 @@ def test_settings_made_in_an_attempt_do_not_outlive_it(
     assert idle_timeout == default_idle_timeout
     # The start record's asynchronous commit was for its own transaction only.
     assert session_setting(queue, "synchronous_commit") == default_synchronous_commit
+
+
+def _drain_with_attempts(queue: LeaseQueue, queue_name: str) -> list[bool]:
+    """Claim and run every task of ``queue_name`` through an attempt; the duplicate flags."""
+    duplicates = []
+    while (lease := queue.claim(queue=queue_name)) is not None:
+        with lease, queue.attempt(lease=lease) as attempt:
+            duplicates.append(attempt.duplicate)
+            if not attempt.duplicate:
+                write_result(attempt, f"{queue_name}:{lease.payload['to']}", 1)
+    return duplicates
+
+
+def test_the_same_idempotency_key_in_two_queues_is_two_pieces_of_work(
+    results: LeaseQueue,
+) -> None:
+    queue = results
+    email = queue.enqueue({"to": "user-42"}, queue="email", idempotency_key="user-42")
+    sms = queue.enqueue({"to": "user-42"}, queue="sms", idempotency_key="user-42")
+    assert _drain_with_attempts(queue, "email") == [False]
+    assert _drain_with_attempts(queue, "sms") == [False]
+    assert sorted(doc for (doc,) in run_sql(queue, "SELECT doc FROM {schema}.results")) == [
+        "email:user-42",
+        "sms:user-42",
+    ]
+    assert queue.get(email).status == queue.get(sms).status == "done"
+    assert len(queue.attempts("user-42", queue="email")) == 1
+    assert len(queue.attempts("user-42", queue="sms")) == 1
+    # Within one queue the key still names one piece of work.
+    queue.enqueue({"to": "user-42"}, queue="email", idempotency_key="user-42")
+    assert _drain_with_attempts(queue, "email") == [True]
+
+
+def test_a_chosen_key_never_meets_a_keyless_task(results: LeaseQueue) -> None:
+    queue = results
+    keyless = queue.enqueue({"to": "keyless"}, queue="mail")
+    # The string a keyless task's attempts were once recorded under.
+    queue.enqueue({"to": "keyed"}, queue="mail", idempotency_key=f"mail:{keyless}")
+    assert _drain_with_attempts(queue, "mail") == [False, False]
+    with queue.attempt(f"mail:{keyless}") as attempt:
+        assert not attempt.duplicate
+    assert [r.outcome for r in queue.attempts(task_id=keyless)] == ["succeeded"]
+
+
+def test_a_key_of_your_own_is_shared_across_queues_and_tasks(results: LeaseQueue) -> None:
+    queue = results
+    with queue.attempt("monthly-report") as attempt:
+        attempt.result = {"sent": True}
+    queue.enqueue({"to": "x"}, queue="reports", idempotency_key="monthly-report")
+    lease = queue.claim(queue="reports")
+    assert lease is not None
+    with queue.attempt("monthly-report", lease=lease) as attempt:
+        assert attempt.duplicate and attempt.result == {"sent": True}
+    # The task's own idempotency key is another space: its work was never done.
+    assert queue.attempts("monthly-report", queue="reports") == []
+    assert [r.outcome for r in queue.attempts("monthly-report")] == ["succeeded", "skipped"]
+
+
+def test_attempts_needs_a_key_or_a_task(queue: LeaseQueue) -> None:
+    with pytest.raises(ConfigurationError, match="key or a task_id"):
+        queue.attempts()
+    with pytest.raises(ConfigurationError, match="not both"):
+        queue.attempts("k", task_id=1)
+
+
+def test_the_migration_keeps_what_attempt_records_mean(
+    dsn: str, schema_name: str, make_queue: Callable[..., LeaseQueue]
+) -> None:
+    import psycopg
+
+    from dagster_leasequeue import sql as statements
+
+    # A schema at version 4, holding records written under the old key scheme.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(statements.compose(statements.CREATE_SCHEMA, schema_name))
+        conn.execute(statements.compose(statements.CREATE_VERSION_TABLE, schema_name))
+        for migration in statements.MIGRATIONS[:4]:
+            for statement in migration.statements:
+                conn.execute(statements.compose(statement, schema_name))
+            conn.execute(
+                statements.compose(statements.RECORD_VERSION, schema_name),
+                {"version": migration.version, "description": migration.description},
+            )
+        tasks = f'"{schema_name}".tasks'
+        keyed, keyless, gone = (
+            conn.execute(
+                f"INSERT INTO {tasks} (queue, payload, idempotency_key, max_attempts, status)"
+                " VALUES (%s, '{}', %s, 3, 'done') RETURNING id",
+                (queue_name, key),
+            ).fetchone()[0]  # type: ignore[index]
+            for queue_name, key in [("email", "user-42"), ("email", None), ("email", None)]
+        )
+        conn.execute(f"DELETE FROM {tasks} WHERE id = %s", (gone,))
+        old_records = [
+            ("user-42", keyed),  # a task's idempotency key
+            (f"email:{keyless}", keyless),  # a keyless task's default key
+            ("chosen", None),  # a key of the caller's own
+            ("chosen-with-lease", keyed),  # a key of the caller's own, given with a lease
+            (f"email:{gone}", gone),  # a task since purged
+        ]
+        for key, task_id in old_records:
+            conn.execute(
+                f'INSERT INTO "{schema_name}".attempts (key, attempt, task_id, outcome)'
+                " VALUES (%s, 1, %s, 'succeeded')",
+                (key, task_id),
+            )
+    queue = make_queue()
+    assert queue.install() == statements.LATEST_VERSION - 4
+    assert [r.outcome for r in queue.attempts("user-42", queue="email")] == ["succeeded"]
+    assert queue.attempts("user-42", queue="sms") == []
+    assert queue.attempts("user-42") == []
+    assert [r.key for r in queue.attempts(task_id=keyless)] == [None]
+    assert queue.attempts(f"email:{keyless}") == []
+    assert [r.task_id for r in queue.attempts("chosen")] == [None]
+    assert [r.task_id for r in queue.attempts("chosen-with-lease")] == [keyed]
+    assert [r.key for r in queue.attempts(f"email:{gone}")] == [f"email:{gone}"]
+    # The migrated success still makes a new task of the same queue and key a duplicate.
+    queue.enqueue({"to": "user-42"}, queue="email", idempotency_key="user-42")
+    lease = queue.claim(queue="email")
+    assert lease is not None
+    with queue.attempt(lease=lease) as attempt:
+        assert attempt.duplicate

@@ -273,7 +273,9 @@ def test_killed_worker_is_recovered_by_a_tick_and_its_result_written_once(
     )
     assert result.success
     assert [count for _, count in summaries(queue)] == [1] * 6
-    outcomes = [a.outcome for a in queue.attempts("master-services-agreement.pdf")]
+    outcomes = [
+        a.outcome for a in queue.attempts("master-services-agreement.pdf", queue="documents")
+    ]
     assert outcomes == ["abandoned", "succeeded"]
 
 
