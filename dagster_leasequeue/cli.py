@@ -42,6 +42,7 @@ from dagster_leasequeue import (
     __version__,
 )
 from dagster_leasequeue.embedded import server_status, start_server, stop_server
+from dagster_leasequeue.limits import MAX_LEASE_SECONDS
 from dagster_leasequeue.models import FINISHED, STATUSES
 from dagster_leasequeue.payloads import encode_object
 
@@ -806,7 +807,7 @@ class _WorkerOptions:
 @click.option("--queue", "queue_name", default="default", show_default=True, help="Queue name.")
 @click.option(
     "--lease-seconds",
-    type=click.FloatRange(min=0, min_open=True),
+    type=click.FloatRange(min=0, min_open=True, max=MAX_LEASE_SECONDS),
     help="Lease of each claim (default: the task's, else LEASEQUEUE_LEASE_SECONDS).",
 )
 @click.option(
@@ -908,8 +909,13 @@ def _work(
             continue
         waiting = False
         if shutdown.requested.is_set():
-            # The stop came while this claim was on its way: hand the task straight back.
-            lease.fail("the worker was stopped before the task started", retry_in=0)
+            # The stop came while this claim was on its way: hand the task straight back,
+            # without using up one of its attempts.
+            lease.release()
+            logger.info(
+                "task %s released for another worker: the worker is stopping", lease.task_id
+            )
+            tally.add("released")
             break
         tally.add(_process(lease, handler, shutdown))
     return tally
@@ -954,9 +960,9 @@ def _run_interruptibly(
     try:
         return shutdown.run_handler(handler, lease)
     except _Aborted:
-        # retry_in=0: nothing is wrong with the task, so it is due again at once, rather
-        # than after the backoff that `with lease` would apply to an error.
-        lease.fail("the worker was stopped before the task finished", retry_in=0)
+        # Nothing is wrong with the task: it is due again at once, and this claim does not
+        # count against its attempts (a fail would, and would kill it on its last one).
+        lease.release()
         raise
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from . import sql
 from .connection import Executor
 from .errors import LeaseLost, LeaseQueueError
+from .limits import MAX_LEASE_SECONDS, check_seconds
 
 if TYPE_CHECKING:
     from .queue import LeaseQueue
@@ -87,7 +88,7 @@ class Lease:
 
     @property
     def finished(self) -> bool:
-        """True once this lease acked or failed its task."""
+        """True once this lease acked, failed or released its task."""
         return self._outcome is not None
 
     @property
@@ -142,8 +143,8 @@ class Lease:
         jitter (``retry_in`` overrides it; 0 means at once); with none left it is ``dead``.
         The error's text is kept in ``last_error``.
         """
-        if retry_in is not None and not retry_in >= 0:
-            raise ValueError(f"retry_in must be 0 or more seconds, got {retry_in!r}")
+        if retry_in is not None:
+            retry_in = check_seconds("retry_in", retry_in, allow_zero=True)
         with self._queue._statements() as conn:
             return self.fail_on(conn, error, retry_in=retry_in)
 
@@ -165,11 +166,26 @@ class Lease:
             self._outcome = "failed"
         return str(row[0])
 
+    def release(self, *, delay: float = 0) -> None:
+        """Give the task back unfinished, due again after ``delay`` seconds (database clock).
+
+        Nothing is wrong with the task, so this claim does not count against its
+        ``max_attempts``: the next claim has the same ``attempt`` number. Use it when a
+        worker stops before the work is done, or to put one task off for a while ("snooze").
+        Fenced like :meth:`ack`: raises LeaseLost when the lease is gone.
+        """
+        params = self._fence_params() | {"delay": check_seconds("delay", delay, allow_zero=True)}
+        with self._queue._statements() as conn, self._lock:
+            self._refuse_if_finished("release")
+            if conn.execute(self._statement(sql.RELEASE), params).rowcount != 1:
+                self.raise_lost_on(conn, "release")
+            self._outcome = "released"
+
     def renew(self, lease_seconds: float | None = None) -> datetime:
         """Extend the lease to ``lease_seconds`` from now (database clock); return the expiry."""
-        seconds = self.lease_seconds if lease_seconds is None else float(lease_seconds)
-        if seconds <= 0:
-            raise ValueError(f"lease_seconds must be more than 0, got {lease_seconds!r}")
+        seconds = self.lease_seconds
+        if lease_seconds is not None:
+            seconds = check_seconds("lease_seconds", lease_seconds, maximum=MAX_LEASE_SECONDS)
         params = self._fence_params() | {"lease_seconds": seconds}
         with self._lock:
             self._refuse_if_finished("renew")

@@ -404,6 +404,19 @@ FAIL = (
 """
 )
 
+# The holder gives the task back untouched (a worker stopping, or a task snoozed): due
+# again after the delay, and this claim is not counted against max_attempts, so the next
+# claim has the same attempt number.
+RELEASE = (
+    """
+    UPDATE {schema}.tasks
+    SET status = 'enqueued', attempts = attempts - 1,
+        run_at = clock_timestamp() + make_interval(secs => %(delay)s),
+        lease_expires_at = NULL, updated_at = clock_timestamp()
+    WHERE """
+    + _FENCE
+)
+
 RENEW = (
     """
     UPDATE {schema}.tasks

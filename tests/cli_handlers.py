@@ -28,6 +28,12 @@ def slow(payload: dict[str, Any]) -> dict[str, Any]:
     return {"slept": payload["seconds"]}
 
 
+def nap(payload: dict[str, Any]) -> dict[str, Any]:
+    """Sleeps for a moment, as a short task does."""
+    time.sleep(payload["seconds"])
+    return {"slept": payload["seconds"]}
+
+
 def not_a_dict(payload: dict[str, Any]) -> list[int]:
     """Returns a list, which the worker refuses as a result."""
     return [1, 2]

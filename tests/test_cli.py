@@ -506,25 +506,85 @@ def test_sigterm_lets_the_current_task_finish(
     assert untouched.status == "enqueued" and untouched.attempts == 0
 
 
-def test_a_second_signal_releases_the_current_task_at_once(
+def test_a_second_signal_releases_the_current_task_without_using_an_attempt(
     queue: LeaseQueue, tmp_path: Path, start_worker: Callable[..., subprocess.Popen[str]]
 ) -> None:
     marker = tmp_path / "started"
-    task_id = queue.enqueue({"marker": str(marker), "seconds": 60}, queue="slow")
+    # Its last attempt: a release that counted as one would leave it dead.
+    task_id = queue.enqueue({"marker": str(marker), "seconds": 60}, queue="slow", max_attempts=1)
     worker = start_worker("tests.cli_handlers:slow", "--queue", "slow")
     wait_for(marker.exists)
 
     worker.send_signal(signal.SIGTERM)
     wait_for(lambda: queue.get(task_id).status == "processing", timeout=5)
     time.sleep(0.3)  # let the first signal be handled before the second one
-    worker.send_signal(signal.SIGINT)
+    worker.send_signal(signal.SIGTERM)
     _, stderr = worker.communicate(timeout=15)
     assert worker.returncode == 0, stderr
     task = queue.get(task_id)
-    assert task.status == "enqueued" and task.attempts == 1
-    assert task.last_error == "the worker was stopped before the task finished"
-    lease = queue.claim(queue="slow")  # released with no backoff: claimable at once
-    assert lease is not None and lease.task_id == task_id
+    assert (task.status, task.attempts, task.last_error) == ("enqueued", 0, None)
+    # Released with no backoff: another worker claims it at once, and finishes it.
+    queue.enqueue({}, queue="slow")  # nothing else may be claimed first
+    lease = queue.claim(queue="slow")
+    assert lease is not None and lease.task_id == task_id and lease.attempt == 1
+    lease.ack({"by": "another worker"})
+    assert queue.get(task_id).status == "done"
+
+
+def test_a_stop_during_a_claim_hands_the_task_back_unused(
+    dsn: str, queue: LeaseQueue, start_worker: Callable[..., subprocess.Popen[str]]
+) -> None:
+    task_id = queue.enqueue({"marker": "/dev/null", "seconds": 0}, queue="slow", max_attempts=1)
+    with psycopg.connect(dsn) as locker:
+        # The worker's claim waits for this lock: the SIGTERM arrives while it is on its way.
+        locker.execute(f'LOCK TABLE "{queue.schema}".tasks IN EXCLUSIVE MODE')
+        worker = start_worker("tests.cli_handlers:slow", "--queue", "slow")
+        wait_for(lambda: _waits_for_a_lock(dsn, queue.schema))
+        worker.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+    _, stderr = worker.communicate(timeout=15)
+    assert worker.returncode == 0, stderr
+    assert "released for another worker" in stderr
+    task = queue.get(task_id)
+    assert (task.status, task.attempts) == ("enqueued", 0)
+
+
+def _waits_for_a_lock(dsn: str, schema: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE %s",
+            (f'%"{schema}".tasks%',),
+        ).fetchone()
+    return row is not None and row[0] > 0
+
+
+def test_a_rolling_restart_finishes_every_task_and_kills_none(
+    queue: LeaseQueue, start_worker: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A fleet of workers drains 300 tasks while a deploy stops and replaces them one by one,
+    half of them impatiently (a second SIGTERM while a task runs)."""
+    # Each task on its last attempt: one that a stop counted as an attempt would be dead.
+    task_ids = queue.enqueue_many(
+        [{"seconds": 0.1 + 0.05 * (n % 3)} for n in range(300)], queue="deploy", max_attempts=1
+    )
+    worker_args = ("tests.cli_handlers:nap", "--queue", "deploy", "--poll-interval", "0.1")
+    fleet = [start_worker(*worker_args) for _ in range(4)]
+    for restart in range(10):
+        time.sleep(0.8)
+        stopped = fleet.pop(0)
+        stopped.send_signal(signal.SIGTERM)
+        if restart % 2:
+            time.sleep(0.02)
+            stopped.send_signal(signal.SIGTERM)
+        fleet.append(start_worker(*worker_args))
+    finished = ("done", "dead")
+    wait_for(lambda: sum(queue.stats("deploy").counts[s] for s in finished) == 300, timeout=120)
+    for worker in fleet:
+        worker.send_signal(signal.SIGTERM)
+        worker.communicate(timeout=15)
+    statuses = {queue.get(task_id).status for task_id in task_ids}
+    assert statuses == {"done"}
 
 
 def test_an_idle_worker_stops_at_once_on_sigint(
