@@ -35,6 +35,7 @@ from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, TaskNotFound
 from .lease import Lease
+from .limits import MAX_LEASE_SECONDS, check_count, check_seconds
 from .models import (
     FINISHED,
     LIVE,
@@ -209,9 +210,9 @@ class LeaseQueue:
             ),
             "idempotency_key": _check_key(idempotency_key),
             "max_attempts": self._max_attempts(max_attempts),
-            "lease_seconds": _check_positive("lease_seconds", lease_seconds),
+            "lease_seconds": _check_lease_seconds(lease_seconds),
             "run_at": _check_run_at(run_at, delay),
-            "delay": _check_delay(delay),
+            "delay": None if delay is None else check_seconds("delay", delay, allow_zero=True),
         } | self._notify
         with self._statements() as conn:
             for _ in range(_ENQUEUE_RETRIES):
@@ -287,16 +288,14 @@ class LeaseQueue:
 
         ``wait`` works as in :meth:`claim`.
         """
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ConfigurationError(f"limit must be a whole number of at least 1, got {limit!r}")
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
-            raise ConfigurationError(f"wait must be 0 or more seconds, got {wait!r}")
+        check_count("limit", limit)
+        check_seconds("wait", wait, allow_zero=True)
         queue = _check_queue(queue)
         worker = worker_id or self.default_worker_id
         params = {
             "queue": queue,
             "worker_id": worker,
-            "lease_seconds": _check_positive("lease_seconds", lease_seconds),
+            "lease_seconds": _check_lease_seconds(lease_seconds),
             "default_lease": self.settings.lease_seconds,
         }
         statement = sql.compose_claim(self.schema, limit)
@@ -347,8 +346,8 @@ class LeaseQueue:
         attempts. Each recovery is also written to the recovery-event log. Several sweepers
         may run at once: each expiry is recovered exactly once.
         """
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise ConfigurationError(f"limit must be None or at least 1, got {limit!r}")
+        if limit is not None:
+            check_count("limit", limit)
         with self._connection() as conn:
             return sweep_expired(
                 conn, self.schema, batch_size=self.settings.sweep_batch_size, limit=limit
@@ -360,10 +359,12 @@ class LeaseQueue:
         Ids only grow in commit order, so a reader that remembers the last id it saw reads
         every event exactly once.
         """
+        params = {
+            "after_id": check_count("after_id", after_id, minimum=0, maximum=2**63 - 1),
+            "limit": check_count("limit", limit),
+        }
         with self._connection() as conn:
-            rows = conn.execute(
-                self._sql(sql.RECOVERY_EVENTS_AFTER), {"after_id": after_id, "limit": limit}
-            ).fetchall()
+            rows = conn.execute(self._sql(sql.RECOVERY_EVENTS_AFTER), params).fetchall()
         return [RecoveryEvent(*row) for row in rows]
 
     # -- inspecting and steering -----------------------------------------------------------
@@ -387,7 +388,12 @@ class LeaseQueue:
         """Tasks in id order, filtered by status and queue; page on with ``after_id``."""
         if status is not None and status not in STATUSES:
             raise ConfigurationError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
-        params = {"status": status, "queue": queue, "after_id": after_id, "limit": limit}
+        params = {
+            "status": status,
+            "queue": queue,
+            "after_id": check_count("after_id", after_id, minimum=0, maximum=2**63 - 1),
+            "limit": check_count("limit", limit),
+        }
         with self._connection() as conn:
             rows = conn.execute(self._sql(sql.LIST_TASKS), params).fetchall()
         return [TaskInfo(*row) for row in rows]
@@ -495,17 +501,11 @@ class LeaseQueue:
             raise ConfigurationError(
                 f"purge statuses must be among {sorted(FINISHED)}, got {chosen}"
             )
-        if (
-            isinstance(older_than, bool)
-            or not isinstance(older_than, (int, float))
-            or older_than < 0
-        ):
-            raise ConfigurationError(f"older_than must be 0 or more seconds, got {older_than!r}")
         params = {
             "statuses": chosen,
-            "older_than": float(older_than),
+            "older_than": check_seconds("older_than", older_than, allow_zero=True),
             "queue": queue,
-            "limit": batch_size,
+            "limit": check_count("batch_size", batch_size),
         }
         deleted = 0
         with self._connection() as conn:
@@ -702,20 +702,10 @@ def _check_key(key: str | None) -> str | None:
     return key
 
 
-def _check_positive(name: str, value: float | None) -> float | None:
+def _check_lease_seconds(value: float | None) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 10**9:
-        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
-def _check_delay(delay: float | None) -> float | None:
-    if delay is None:
-        return None
-    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay < 10**9:
-        raise ConfigurationError(f"delay must be 0 or more seconds, got {delay!r}")
-    return float(delay)
+    return check_seconds("lease_seconds", value, maximum=MAX_LEASE_SECONDS)
 
 
 def _check_run_at(run_at: datetime | None, delay: float | None) -> datetime | None:

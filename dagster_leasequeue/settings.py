@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ConfigurationError
+from .limits import MAX_DELAY_SECONDS, MAX_LEASE_SECONDS
 
 ENV_PREFIX = "LEASEQUEUE_"
 SCHEMA_NAME_PATTERN = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -61,7 +62,10 @@ class LeaseQueueSettings(BaseSettings):
         default="leasequeue", description="Schema that holds the queue's tables."
     )
     lease_seconds: float = Field(
-        default=300.0, gt=0, le=7 * 24 * 3600, description="Default lease of a claim, in seconds."
+        default=300.0,
+        gt=0,
+        le=MAX_LEASE_SECONDS,
+        description="Default lease of a claim, in seconds (at most a week).",
     )
     max_attempts: int = Field(
         default=5, ge=1, le=10_000, description="Default number of claims before a task is dead."
@@ -77,10 +81,16 @@ class LeaseQueueSettings(BaseSettings):
         default=4, ge=1, le=1000, description="Largest number of pooled connections."
     )
     retry_backoff_base: float = Field(
-        default=1.0, ge=0, description="Delay before the first retry after fail(), in seconds."
+        default=1.0,
+        ge=0,
+        le=MAX_DELAY_SECONDS,
+        description="Delay before the first retry after fail(), in seconds.",
     )
     retry_backoff_cap: float = Field(
-        default=600.0, ge=0, description="Longest delay between retries, in seconds."
+        default=600.0,
+        ge=0,
+        le=MAX_DELAY_SECONDS,
+        description="Longest delay between retries, in seconds.",
     )
     sweep_batch_size: int = Field(
         default=500, ge=1, le=100_000, description="Expired leases recovered per transaction."

@@ -6,6 +6,7 @@ import json
 import math
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -76,6 +77,11 @@ def test_oversized_result_is_refused_and_the_lease_kept(make_queue) -> None:  # 
         ({"delay": -1}, "delay"),
         ({"max_attempts": 0}, "max_attempts"),
         ({"lease_seconds": 0}, "lease_seconds"),
+        # An attempt's idle timeout is the lease in milliseconds: a 32-bit integer.
+        ({"lease_seconds": 25 * 86400}, "at most 604800"),
+        ({"lease_seconds": math.inf}, "lease_seconds"),
+        ({"delay": math.nan}, "delay"),
+        ({"delay": 1e300}, "at most 1e"),
         ({"idempotency_key": ""}, "idempotency_key"),
     ],
 )
@@ -170,3 +176,57 @@ def test_claimed_payloads_read_as_json_loads_reads_the_stored_text(
         task_id: json.loads(text) for task_id, text in stored.items()
     }
     queue.ack_many(leases)
+
+
+LONG_LEASE = 25 * 86400  # past the ~24.8 days an idle timeout can hold
+
+
+def test_every_lease_length_is_bounded_where_it_is_given(queue: LeaseQueue) -> None:
+    with pytest.raises(ConfigurationError, match="lease_seconds"):
+        queue.claim(lease_seconds=LONG_LEASE)
+    with pytest.raises(ConfigurationError, match="LEASEQUEUE_LEASE_SECONDS"):
+        LeaseQueueSettings(lease_seconds=LONG_LEASE, _env_file=None)
+    queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    with pytest.raises(ConfigurationError, match="lease_seconds"):
+        lease.renew(LONG_LEASE)
+    with pytest.raises(ConfigurationError, match="retry_in"):
+        lease.fail("x", retry_in=math.inf)
+    assert queue.get(lease.task_id).status == "processing"
+    lease.ack()
+
+
+def test_a_task_stored_with_a_longer_lease_still_runs_its_attempt(queue: LeaseQueue) -> None:
+    # A lease longer than the idle timeout can hold, stored by an earlier release.
+    task_id = queue.enqueue({"n": 1})
+    run_sql(queue, "UPDATE {schema}.tasks SET lease_seconds = %(s)s", {"s": LONG_LEASE})
+    lease = queue.claim()
+    assert lease is not None and lease.lease_seconds == LONG_LEASE
+    with queue.attempt(lease=lease) as attempt:
+        attempt.connection.execute("SELECT 1")
+    assert queue.get(task_id).status == "done"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda q: q.claim_many(2**31), "limit"),
+        (lambda q: q.claim(wait=math.inf), "wait"),
+        (lambda q: q.sweep(limit=0), "limit"),
+        (lambda q: q.purge(60, batch_size=0), "batch_size"),
+        (lambda q: q.purge(math.inf), "older_than"),
+        (lambda q: q.list_tasks(limit=2**40), "limit"),
+        (lambda q: q.recovery_events(-1), "after_id"),
+    ],
+)
+def test_numbers_sent_to_the_server_are_checked_first(
+    queue: LeaseQueue, call: Any, message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        call(queue)
+
+
+def test_retry_backoff_settings_are_bounded() -> None:
+    with pytest.raises(ConfigurationError, match="LEASEQUEUE_RETRY_BACKOFF_CAP"):
+        LeaseQueueSettings(retry_backoff_cap=1e300, _env_file=None)

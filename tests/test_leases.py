@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from dagster_leasequeue import LeaseLost, LeaseQueue, sql
+from dagster_leasequeue import Lease, LeaseLost, LeaseQueue, sql
 
 from .helpers import expire, run_sql
 
@@ -328,3 +328,50 @@ def test_a_lease_that_cannot_be_renewed_lapses(queue: LeaseQueue) -> None:
         while not lease.lost and time.monotonic() < deadline:
             time.sleep(0.05)
         lease.raise_if_lost()
+
+
+def test_release_gives_the_task_back_without_using_an_attempt(queue: LeaseQueue) -> None:
+    task_id = queue.enqueue({"n": 1}, max_attempts=1)
+    lease = claim_one(queue)
+    lease.release()
+    info = queue.get(task_id)
+    assert (info.status, info.attempts, info.lease_expires_at) == ("enqueued", 0, None)
+    again = claim_one(queue)
+    assert again.task_id == task_id and again.attempt == lease.attempt == 1
+    with pytest.raises(LeaseLost, match="cannot release"):
+        lease.release()  # the old token: fenced like ack
+    again.ack()
+    assert queue.get(task_id).status == "done"
+
+
+def test_release_with_a_delay_snoozes_the_task(queue: LeaseQueue) -> None:
+    task_id = queue.enqueue({"n": 1})
+    lease = claim_one(queue)
+    lease.release(delay=60)
+    assert queue.claim() is None
+    waits = run_sql(
+        queue,
+        "SELECT run_at - clock_timestamp() FROM {schema}.tasks WHERE id = %(id)s",
+        {"id": task_id},
+    )[0][0]
+    assert timedelta(seconds=58) < waits <= timedelta(seconds=60)
+    with pytest.raises(ValueError, match="delay"):
+        claim_one_later(queue, task_id).release(delay=-1)
+
+
+def claim_one_later(queue: LeaseQueue, task_id: int) -> Lease:
+    run_sql(
+        queue,
+        "UPDATE {schema}.tasks SET run_at = clock_timestamp() WHERE id = %(id)s",
+        {"id": task_id},
+    )
+    return claim_one(queue)
+
+
+def test_release_inside_the_lease_block_ends_it_quietly(queue: LeaseQueue) -> None:
+    task_id = queue.enqueue({"n": 1})
+    with claim_one(queue) as lease:
+        lease.release()
+    assert queue.get(task_id).status == "enqueued"
+    with pytest.raises(LeaseLost, match="already released"):
+        lease.ack()
