@@ -302,7 +302,7 @@ class LeaseQueue:
         deadline = time.monotonic() + wait
         if wait:
             with self._errors():
-                self._listener.listen()
+                mark = self._listener.listen()
         while True:
             sent = time.monotonic()
             with self._statements() as conn:
@@ -314,7 +314,7 @@ class LeaseQueue:
                 break
             with self._errors():
                 # Delayed and retried tasks send no notification: look again each second.
-                self._listener.wait(min(remaining, _POLL_SECONDS))
+                mark = self._listener.wait(min(remaining, _POLL_SECONDS), mark)
         if len(rows) > 1:
             # UPDATE ... RETURNING gives no order; restore the claim's (run_at is last).
             rows.sort(key=lambda row: (-row[2], row[9], row[0]))
