@@ -104,12 +104,15 @@ def open_pool(
     its timeout and keeps the reason to its log, while the user needs the reason now.
     """
     where = describe(dsn)
+    failure = None
     try:
         psycopg.connect(dsn, **options).close()
     except psycopg.Error as exc:
-        raise DatabaseUnavailable(
-            f"cannot connect to PostgreSQL at {where}: {redact(str(exc).strip(), dsn)}"
-        ) from None
+        failure = redact(str(exc).strip(), dsn)
+    # Raised outside the except block: the driver's error, which may quote the DSN, must
+    # not travel along as the new error's __context__.
+    if failure is not None:
+        raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {where}: {failure}")
     pool = ConnectionPool(
         dsn,
         connection_class=QueueConnection,
