@@ -13,7 +13,7 @@ from . import sql
 from .models import QueueStats, TaskInfo
 from .queue import LeaseQueue
 from .resource import LeaseQueueResource
-from .sensors import queue_asset_key
+from .sensors import _refuse_shared_keys, queue_asset_key
 
 NO_STUCK_LEASES = "no_stuck_leases"
 DEAD_TASKS_WITHIN_LIMIT = "dead_tasks_within_limit"
@@ -51,6 +51,11 @@ def build_queue_asset_checks(
       used up). Retry them with ``retry_dead`` once the cause is fixed.
     - ``oldest_waiting_within_limit``: no due task has waited longer than
       ``max_oldest_waiting_seconds``. A long wait means too few workers.
+
+    Each queue's checks are one op, named after its asset key (``leasequeue_documents_checks``);
+    queues whose names differ only in characters an asset key replaces (``a-b``, ``a_b``)
+    have distinct keys, so distinct ops. A queue named twice is checked once; two queues
+    with one asset key raise ``ValueError`` naming both.
 
     A failed check has the given ``severity``. Each result's metadata holds the counts, the
     thresholds and the ids of the worst offending tasks. The checks of one queue share one
@@ -96,9 +101,10 @@ def build_queue_asset_checks(
     thresholds = _Thresholds(
         float(stuck_after_seconds), int(max_dead), float(max_oldest_waiting_seconds), severity
     )
+    prefix = tuple(asset_key_prefix)
     return [
-        _queue_checks(queue, resource_key, tuple(asset_key_prefix), thresholds)
-        for queue in dict.fromkeys(queues)
+        _queue_checks(queue, resource_key, prefix, thresholds)
+        for queue in _refuse_shared_keys(queues, prefix)
     ]
 
 
@@ -141,6 +147,8 @@ def _queue_checks(
         ),
     ]
 
+    # The queue's key part has only letters, digits and underscores: distinct keys under one
+    # prefix give distinct op names.
     @dg.multi_asset_check(
         name="_".join(_OP_NAME_PART.sub("_", part) for part in asset_key.path) + "_checks",
         specs=specs,

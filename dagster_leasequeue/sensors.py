@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -14,12 +15,41 @@ from .resource import LeaseQueueResource
 
 logger = logging.getLogger("dagster_leasequeue")
 
-_ASSET_KEY_PART = re.compile(r"[^A-Za-z0-9_]")
+_ASSET_KEY_PART = re.compile(r"[A-Za-z0-9_]+")
+_REPLACED = re.compile(r"[^A-Za-z0-9_]")
 
 
 def queue_asset_key(queue: str, asset_key_prefix: Sequence[str] = ("leasequeue",)) -> dg.AssetKey:
-    """The asset key under which a queue's observations are reported."""
-    return dg.AssetKey([*asset_key_prefix, _ASSET_KEY_PART.sub("_", queue)])
+    """The asset key under which a queue's observations are reported.
+
+    The key is the prefix followed by the queue's name, when the name is made of letters,
+    digits and underscores only (``documents`` → ``leasequeue/documents``). Any other name
+    has each other character replaced by ``_`` and the first 8 hex digits of the SHA-1 of
+    the name (UTF-8) appended, so that queues such as ``a-b`` and ``a_b`` keep distinct
+    keys: ``a-b`` → ``leasequeue/a_b_34fafddd``. The key is the same in every process.
+    """
+    return dg.AssetKey([*asset_key_prefix, _asset_key_part(queue)])
+
+
+def _asset_key_part(queue: str) -> str:
+    if _ASSET_KEY_PART.fullmatch(queue):
+        return queue
+    digest = hashlib.sha1(queue.encode("utf-8", "surrogatepass"), usedforsecurity=False)
+    return f"{_REPLACED.sub('_', queue)}_{digest.hexdigest()[:8]}"
+
+
+def _refuse_shared_keys(queues: Sequence[str], prefix: Sequence[str]) -> list[str]:
+    """The queues, each once, in order; a ``ValueError`` if two of them have one asset key."""
+    named: dict[dg.AssetKey, str] = {}
+    for queue in dict.fromkeys(queues):
+        key = queue_asset_key(queue, prefix)
+        if key in named:
+            raise ValueError(
+                f"queues {named[key]!r} and {queue!r} have the same asset key "
+                f"{key.to_user_string()!r}; rename one of them"
+            )
+        named[key] = queue
+    return list(named.values())
 
 
 def queue_asset_specs(
@@ -29,6 +59,9 @@ def queue_asset_specs(
     group_name: str = "leasequeue",
 ) -> list[dg.AssetSpec]:
     """Asset specs for queues, so they appear in the catalog with the sweeper's observations.
+
+    Each queue's key is the one :func:`queue_asset_key` gives; a queue named twice is
+    declared once. Raises ``ValueError`` naming both queues if two of them have one key.
 
     Example:
         .. code-block:: python
@@ -50,7 +83,7 @@ def queue_asset_specs(
             kinds={"postgres"},
             metadata={"queue": queue},
         )
-        for queue in queues
+        for queue in _refuse_shared_keys(queues, asset_key_prefix)
     ]
 
 
@@ -115,6 +148,9 @@ def build_sweeper_sensor(
         cursor = json.dumps({"event": last_event, "queues": sorted(live)})
         summary = _summary(len(swept), events, per_queue)
         context.log.info(summary)
+        shared = _shared_keys({event.queue for event in events} | per_queue.keys(), prefix)
+        if shared:
+            context.log.warning(shared)
 
         requeued_waiting = any(event.action == "requeued" for event in events) and any(
             stats.counts["enqueued"] for stats in per_queue.values()
@@ -130,6 +166,28 @@ def build_sweeper_sensor(
         return dg.SensorResult(skip_reason=summary, asset_events=observations, cursor=cursor)
 
     return _sweeper
+
+
+def _shared_keys(queues: set[str], prefix: Sequence[str]) -> str | None:
+    """A warning naming the queues whose observations share an asset key, if any do.
+
+    Only a queue named after another's replaced key (``a_b_34fafddd`` beside ``a-b``) can.
+    """
+    by_key: dict[dg.AssetKey, list[str]] = {}
+    for queue in sorted(queues):
+        by_key.setdefault(queue_asset_key(queue, prefix), []).append(queue)
+    clashes = [
+        f"{', '.join(map(repr, names))} on {key.to_user_string()!r}"
+        for key, names in by_key.items()
+        if len(names) > 1
+    ]
+    if not clashes:
+        return None
+    return (
+        "queues report their observations on one asset key, so they mix: "
+        + "; ".join(clashes)
+        + "; rename one of them"
+    )
 
 
 def _read_cursor(cursor: str | None) -> tuple[int, set[str]]:
