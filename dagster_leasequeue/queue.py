@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -33,7 +34,7 @@ from .connection import (
 )
 from .dsn import describe
 from .embedded import embedded_dsn
-from .errors import ConfigurationError, LeaseLost, TaskNotFound
+from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TaskNotFound
 from .lease import Lease
 from .limits import MAX_LEASE_SECONDS, check_count, check_seconds
 from .models import (
@@ -50,6 +51,8 @@ from .notify import Listener
 from .payloads import encode_object
 from .settings import LeaseQueueSettings, validate_schema_name
 from .sweeper import sweep_expired
+
+logger = logging.getLogger("dagster_leasequeue")
 
 _POSTGRES_INT_MAX = 2**31 - 1
 # An idempotent enqueue can race with the task it collides with finishing; a retry settles it.
@@ -510,11 +513,12 @@ class LeaseQueue:
         deleted = 0
         with self._connection() as conn:
             while True:
-                count = conn.execute(self._sql(sql.PURGE_BATCH), params).rowcount
+                row = conn.execute(self._sql(sql.PURGE_BATCH), params).fetchone()
+                picked, count = (int(row[0]), int(row[1])) if row else (0, 0)
                 deleted += count
                 if on_batch is not None:
                     on_batch(deleted)
-                if count < batch_size:
+                if picked < batch_size:
                     return deleted
 
     def cancel(self, task_id: int) -> bool:
@@ -530,13 +534,35 @@ class LeaseQueue:
         raise TaskNotFound(f"no task with id {task_id} in schema {self.schema!r}")
 
     def retry_dead(self, task_ids: Iterable[int] | None = None, *, queue: str | None = None) -> int:
-        """Enqueue dead tasks again with a fresh budget of attempts; return how many."""
-        ids = None if task_ids is None else [int(task_id) for task_id in task_ids]
+        """Enqueue dead tasks again with a fresh budget of attempts; return how many.
+
+        A dead task whose idempotency key an unfinished task holds stays dead (the key is
+        unique among unfinished tasks), as do all but the newest of dead tasks sharing a
+        key; each one left dead that way is logged.
+        """
+        params = {
+            "task_ids": None if task_ids is None else [int(task_id) for task_id in task_ids],
+            "queue": queue,
+        }
         with self._connection() as conn:
-            rows = conn.execute(
-                self._sql(sql.RETRY_DEAD), {"task_ids": ids, "queue": queue}
-            ).fetchall()
-        return len(rows)
+            for _ in range(_ENQUEUE_RETRIES):
+                try:
+                    retried = conn.execute(self._sql(sql.RETRY_DEAD), params).fetchall()
+                    break
+                except psycopg.errors.UniqueViolation:
+                    # An enqueue took one of the keys after this statement looked: look
+                    # again, and that task now stays dead while the others are retried.
+                    continue
+            else:  # pragma: no cover - needs a new enqueue of a key at every try
+                raise LeaseQueueError("retry_dead: the keys of these tasks kept changing hands")
+            for task_id, key in conn.execute(self._sql(sql.DEAD_WITH_KEY_TAKEN), params):
+                logger.warning(
+                    "retry_dead: task %s stays dead: an unfinished task of its queue holds "
+                    "its idempotency key %r",
+                    task_id,
+                    key,
+                )
+        return len(retried)
 
     # -- attempts --------------------------------------------------------------------------
 

@@ -552,16 +552,32 @@ LIVE_STATS = (
 QUEUE_NAMES = "SELECT DISTINCT queue FROM {schema}.tasks ORDER BY queue"
 
 # Finished tasks older than a cut-off, a batch at a time (ids, so the batch is bounded).
-PURGE_BATCH = """
-    DELETE FROM {schema}.tasks
-    WHERE id = ANY(ARRAY(
-        SELECT id FROM {schema}.tasks
-        WHERE status = ANY(%(statuses)s::text[])
-          AND finished_at < clock_timestamp() - make_interval(secs => %(older_than)s)
-          AND (%(queue)s::text IS NULL OR queue = %(queue)s)
-        LIMIT %(limit)s
-    ))
+# The ids come from the statement's snapshot; a row that changed meanwhile (a dead task put
+# back by retry_dead, then claimed) is read again after its lock is waited for, so the
+# condition is checked again on the row as it is when deleted. It returns how many rows
+# were picked and how many deleted: a batch that picked fewer than its limit was the last.
+_PURGEABLE = """
+        status = ANY(%(statuses)s::text[])
+        AND finished_at < clock_timestamp() - make_interval(secs => %(older_than)s)
+        AND (%(queue)s::text IS NULL OR queue = %(queue)s)
 """
+PURGE_BATCH = (
+    """
+    WITH picked AS (
+        SELECT id FROM {schema}.tasks WHERE"""
+    + _PURGEABLE
+    + """
+        LIMIT %(limit)s
+    ), deleted AS (
+        DELETE FROM {schema}.tasks
+        WHERE id = ANY(ARRAY(SELECT id FROM picked)) AND"""
+    + _PURGEABLE
+    + """
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM picked), (SELECT count(*) FROM deleted)
+"""
+)
 
 CANCEL = """
     UPDATE {schema}.tasks
@@ -575,18 +591,30 @@ TASK_EXISTS = "SELECT 1 FROM {schema}.tasks WHERE id = %(task_id)s"
 
 # A dead task whose idempotency key an unfinished task has taken meanwhile stays dead (the
 # key is unique among unfinished tasks); of several dead tasks sharing a key, the newest.
-RETRY_DEAD = """
-    WITH candidates AS (
-        SELECT DISTINCT ON (d.queue, coalesce(d.idempotency_key, d.id::text)) d.id
-        FROM {schema}.tasks AS d
-        WHERE d.status = 'dead'
+# A task without a key is a group of its own (its id in the third column, never mixed
+# with a key that happens to read like an id).
+_DEAD_IN_SCOPE = """
+        d.status = 'dead'
           AND (%(task_ids)s::bigint[] IS NULL OR d.id = ANY(%(task_ids)s::bigint[]))
           AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
-          AND (d.idempotency_key IS NULL OR NOT EXISTS (
+"""
+_KEY_TAKEN = """EXISTS (
                 SELECT 1 FROM {schema}.tasks AS u
                 WHERE u.queue = d.queue AND u.idempotency_key = d.idempotency_key
-                  AND u.status IN ('enqueued', 'processing')))
-        ORDER BY d.queue, coalesce(d.idempotency_key, d.id::text), d.id DESC
+                  AND u.status IN ('enqueued', 'processing'))"""
+RETRY_DEAD = (
+    """
+    WITH candidates AS (
+        SELECT DISTINCT ON (d.queue, d.idempotency_key,
+                            CASE WHEN d.idempotency_key IS NULL THEN d.id END) d.id
+        FROM {schema}.tasks AS d
+        WHERE"""
+    + _DEAD_IN_SCOPE
+    + "AND (d.idempotency_key IS NULL OR NOT "
+    + _KEY_TAKEN
+    + """)
+        ORDER BY d.queue, d.idempotency_key,
+                 CASE WHEN d.idempotency_key IS NULL THEN d.id END, d.id DESC
     )
     UPDATE {schema}.tasks AS t
     SET status = 'enqueued', attempts = 0, run_at = clock_timestamp(), finished_at = NULL,
@@ -595,6 +623,16 @@ RETRY_DEAD = """
     WHERE t.id = candidates.id AND t.status = 'dead'
     RETURNING t.id
 """
+)
+
+# The dead tasks in a retry's scope that stay dead because their key is taken.
+DEAD_WITH_KEY_TAKEN = (
+    "SELECT d.id, d.idempotency_key FROM {schema}.tasks AS d WHERE"
+    + _DEAD_IN_SCOPE
+    + "AND d.idempotency_key IS NOT NULL AND "
+    + _KEY_TAKEN
+    + " ORDER BY d.id"
+)
 
 # -- attempts (the idempotency table) ------------------------------------------------------
 
