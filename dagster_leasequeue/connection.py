@@ -6,14 +6,17 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import psycopg
-from psycopg import Transaction, errors as pg_errors, generators, pq
-from psycopg.abc import Params, PQGen
+from psycopg import IsolationLevel, Transaction, errors as pg_errors, generators, pq
+from psycopg.abc import Dumper, Loader, Params, PQGen
+from psycopg.adapt import AdaptersMap
+from psycopg.rows import RowFactory
+from psycopg.types import TypeInfo, TypesRegistry
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import sql
@@ -44,8 +47,65 @@ def connection_options(*, connect_timeout: float, prepared_statements: bool) -> 
     return options
 
 
+class ClientSettings(NamedTuple):
+    """What a borrower can change on a connection on the client side, besides its adapters."""
+
+    autocommit: bool
+    row_factory: RowFactory[Any]
+    cursor_factory: type[psycopg.Cursor[Any]]
+    server_cursor_factory: type[psycopg.ServerCursor[Any]]
+    isolation_level: IsolationLevel | None
+    read_only: bool | None
+    deferrable: bool | None
+    prepare_threshold: int | None
+    prepared_max: int | None
+
+
+class _WatchedTypes(TypesRegistry):
+    """A connection's registry of types, noting whether anyone added to it."""
+
+    changed = False
+
+    def add(self, info: TypeInfo) -> None:
+        self.changed = True
+        super().add(info)
+
+
+class _WatchedAdapters(AdaptersMap):
+    """A connection's adapters, noting whether anyone registered a dumper, loader or type.
+
+    Cursors take a copy of their connection's map when they are made, so a change here
+    reaches only the cursors made after it.
+    """
+
+    changed = False
+
+    def __init__(self, template: AdaptersMap) -> None:
+        super().__init__(template)
+        self.types = self._types = _WatchedTypes(template.types)
+
+    def register_dumper(self, cls: type | str | None, dumper: type[Dumper]) -> None:
+        self.changed = True
+        super().register_dumper(cls, dumper)
+
+    def register_loader(self, oid: int | str, loader: type[Loader]) -> None:
+        self.changed = True
+        super().register_loader(oid, loader)
+
+    def was_changed(self) -> bool:
+        return self.changed or self._types.changed
+
+
 class QueueConnection(psycopg.Connection[Any]):
-    """The class of the pool's connections: psycopg's, with one change inside an attempt.
+    """The class of the pool's connections: psycopg's, with two changes.
+
+    A connection lent to caller code (``queue.connection()``, ``attempt.connection``) is
+    given back as it was opened: what the borrower changed on the client (the attributes
+    of :class:`ClientSettings`, the adapters, notice and notification handlers) is noticed
+    by a few comparisons when the loan ends, and undone (see :meth:`ConnectionCache.release`).
+    What it changed in the server session is undone by sql.RESET_SESSION.
+
+    The other change is inside an attempt.
 
     An attempt's transaction begins with its first statement, so that work done before
     writing holds no transaction open. psycopg makes a ``transaction()`` block entered
@@ -62,6 +122,92 @@ class QueueConnection(psycopg.Connection[Any]):
 
     # Statements sent in the same simple query as the attempt's BEGIN; None outside one.
     attempt_settings: bytes | None = None
+    # The client settings the pool opened the connection with (see remember_settings).
+    opened_with: ClientSettings | None = None
+    # The connection's adapters, made on first use from psycopg's global ones.
+    _watched_adapters: _WatchedAdapters | None = None
+    # The notice and notification handlers caller code added.
+    _notice_handlers_added: tuple[Callable[[pg_errors.Diagnostic], None], ...] = ()
+    _notify_handlers_added: tuple[Callable[[psycopg.Notify], None], ...] = ()
+
+    @property
+    def adapters(self) -> AdaptersMap:
+        adapters = self._watched_adapters
+        if adapters is None:
+            adapters = self._watched_adapters = _WatchedAdapters(psycopg.adapters)
+        return adapters
+
+    def client_settings(self) -> ClientSettings:
+        return ClientSettings(
+            self.autocommit,
+            self.row_factory,
+            self.cursor_factory,
+            self.server_cursor_factory,
+            self.isolation_level,
+            self.read_only,
+            self.deferrable,
+            self.prepare_threshold,
+            self.prepared_max,
+        )
+
+    def remember_settings(self) -> None:
+        """Note the client settings as opened (the pool's ``configure`` callback)."""
+        self.opened_with = self.client_settings()
+
+    def changed_by_borrower(self) -> bool:
+        """Whether caller code changed the connection on the client since it was opened."""
+        adapters = self._watched_adapters
+        return (
+            self.client_settings() != self.opened_with
+            or (adapters is not None and adapters.was_changed())
+            or bool(self._notice_handlers_added or self._notify_handlers_added)
+        )
+
+    def restore_settings(self) -> None:
+        """Put the client settings back as opened; the connection must be idle.
+
+        The adapters are made again from psycopg's global ones, as for a new connection.
+        """
+        opened = self.opened_with
+        if opened is not None and self.client_settings() != opened:
+            self.autocommit = opened.autocommit
+            self.row_factory = opened.row_factory
+            self.cursor_factory = opened.cursor_factory
+            self.server_cursor_factory = opened.server_cursor_factory
+            self.isolation_level = opened.isolation_level
+            self.read_only = opened.read_only
+            self.deferrable = opened.deferrable
+            self.prepare_threshold = opened.prepare_threshold
+            self.prepared_max = opened.prepared_max
+        elif opened is None and not self.autocommit:
+            self.autocommit = True
+        adapters = self._watched_adapters
+        if adapters is not None and adapters.was_changed():
+            self._watched_adapters = None
+        for notice_handler in self._notice_handlers_added:
+            with suppress(ValueError):
+                super().remove_notice_handler(notice_handler)
+        self._notice_handlers_added = ()
+        for notify_handler in self._notify_handlers_added:
+            with suppress(ValueError):
+                super().remove_notify_handler(notify_handler)
+        self._notify_handlers_added = ()
+
+    def add_notice_handler(self, callback: Callable[[pg_errors.Diagnostic], None]) -> None:
+        super().add_notice_handler(callback)
+        self._notice_handlers_added += (callback,)
+
+    def remove_notice_handler(self, callback: Callable[[pg_errors.Diagnostic], None]) -> None:
+        super().remove_notice_handler(callback)
+        self._notice_handlers_added = _without(self._notice_handlers_added, callback)
+
+    def add_notify_handler(self, callback: Callable[[psycopg.Notify], None]) -> None:
+        super().add_notify_handler(callback)
+        self._notify_handlers_added += (callback,)
+
+    def remove_notify_handler(self, callback: Callable[[psycopg.Notify], None]) -> None:
+        super().remove_notify_handler(callback)
+        self._notify_handlers_added = _without(self._notify_handlers_added, callback)
 
     def _start_query(self) -> PQGen[None]:
         if (
@@ -95,6 +241,14 @@ class QueueConnection(psycopg.Connection[Any]):
             yield transaction
 
 
+def _without(handlers: tuple[Any, ...], callback: Any) -> tuple[Any, ...]:
+    """``handlers`` without the first occurrence of ``callback`` (as list.remove does)."""
+    if callback not in handlers:
+        return handlers
+    index = handlers.index(callback)
+    return handlers[:index] + handlers[index + 1 :]
+
+
 def open_pool(
     dsn: str, *, pool_size: int, connect_timeout: float, options: dict[str, Any], name: str
 ) -> ConnectionPool[QueueConnection]:
@@ -119,7 +273,8 @@ def open_pool(
         min_size=1,
         max_size=pool_size,
         kwargs=options,
-        reset=_restore_autocommit,
+        configure=QueueConnection.remember_settings,
+        reset=_restore_settings,
         timeout=max(connect_timeout, 30.0),
         reconnect_timeout=max(connect_timeout * 12, 60.0),
         name=name,
@@ -135,11 +290,12 @@ def open_pool(
     return pool
 
 
-def _restore_autocommit(conn: psycopg.Connection[Any]) -> None:
-    # The pool hands this connection to the queue's own statements next, which expect
-    # autocommit as it was opened with.
-    if not conn.autocommit:
-        conn.autocommit = True
+def _restore_settings(conn: QueueConnection) -> None:
+    # The pool hands this connection to the queue's own statements next, which expect it
+    # as it was opened (autocommit, tuples, psycopg's adapters). Most come back unchanged:
+    # a lent one is restored before it is given back, unless it was given back mid-way.
+    if not conn.closed and conn.changed_by_borrower():
+        conn.restore_settings()
 
 
 class DatabaseErrors:
@@ -254,6 +410,13 @@ class CachedConnection:
             self._shared = self._new_cursor()
         return self._shared
 
+    def forget_cursors(self) -> None:
+        """Drop the kept cursors: made after a borrower changed the connection, they might
+        carry its row factory or adapters."""
+        self._cursors.clear()
+        self._shared = None
+        self._script = None
+
     def _new_cursor(self) -> psycopg.Cursor[Any]:
         cursor = self.conn.cursor()
         # Only the package's statements run here, and payloads are its own jsonb.
@@ -269,8 +432,12 @@ class ConnectionCache:
     queue took stay with it while idle; the pool still opens them, caps their number and
     makes callers wait when all are busy. A connection goes back to the pool when a caller
     is waiting for one there; when it is broken, mid-transaction or out of autocommit (the
-    pool discards it, rolls it back or restores autocommit); when the queue closes; and
-    after REFRESH_SECONDS, so the pool's lifetime and idle limits still apply.
+    pool discards it, or rolls it back and restores its settings); when the queue closes;
+    and after REFRESH_SECONDS, so the pool's lifetime and idle limits still apply.
+
+    Connections lent to caller code come back through :meth:`release`, which restores
+    what the borrower changed on the client; the package's own statements through
+    :meth:`give_back`, which checks only what a failed statement can leave.
     """
 
     REFRESH_SECONDS = 300.0
@@ -301,6 +468,22 @@ class ConnectionCache:
                 self._waiting -= 1
 
     def release(self, cached: CachedConnection) -> None:
+        """Take back a connection lent to caller code, undoing what it changed on the client.
+
+        A few attribute comparisons when nothing changed (see QueueConnection); the server
+        session was reset by the borrower (sql.RESET_SESSION).
+        """
+        conn = cached.conn
+        if conn.pgconn.transaction_status == _IDLE and conn.changed_by_borrower():
+            try:
+                conn.restore_settings()
+            except psycopg.Error:
+                conn.close()  # the pool discards a closed connection
+            cached.forget_cursors()
+        self.give_back(cached)
+
+    def give_back(self, cached: CachedConnection) -> None:
+        """Take back a connection the package's own statements used, which change nothing."""
         conn = cached.conn
         # IDLE also means open and unbroken: libpq reports UNKNOWN for a lost connection.
         # A connection a borrower left out of autocommit would wrap the queue's own
@@ -345,7 +528,7 @@ class _Borrowed:
         tb: TracebackType | None,
     ) -> None:
         if self._cached is not None:
-            self._cache.release(self._cached)
+            self._cache.give_back(self._cached)
             self._cached = None
         if exc is not None:
             self._errors.raise_translated(exc)
@@ -370,7 +553,8 @@ class BorrowedStatements(_Borrowed):
 
 
 def reset_session(conn: psycopg.Connection[Any]) -> None:
-    """Undo what caller code may have done to a lent connection (see sql.RESET_SESSION)."""
+    """Undo what caller code may have done to a lent connection's session (see
+    sql.RESET_SESSION); ConnectionCache.release undoes what it did on the client."""
     if conn.closed or conn.broken:
         return
     try:

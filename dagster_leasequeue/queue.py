@@ -655,8 +655,11 @@ class LeaseQueue:
 
         Errors of your statements pass through as psycopg raised them. Before the
         connection goes back to the pool, an open transaction is rolled back and what you
-        changed is undone: settings (``SET``), the role, autocommit, session advisory locks
-        and LISTENs.
+        changed is undone: settings (``SET``), the role, session advisory locks, LISTENs,
+        cursors ``WITH HOLD``, temporary tables and the statements you ``PREPARE``d in the
+        session; and on the client, psycopg's attributes (``autocommit``, ``row_factory``,
+        ``read_only``, ``isolation_level``, ``prepare_threshold``, ...), its adapters and
+        the notice and notification handlers you added.
         """
         with self._lent_connection() as cached:
             try:

@@ -704,10 +704,19 @@ TASK_ATTEMPT_KEY = "SELECT queue, idempotency_key FROM {schema}.tasks WHERE id =
 
 # What a borrower may have done to a lent connection is undone before it is used again:
 # settings (a search path, a timeout), the role (which RESET ALL leaves alone), session
-# advisory locks and LISTENs.
+# advisory locks and LISTENs, cursors WITH HOLD, temporary tables, and the statements it
+# PREPAREd. psycopg's own prepared statements (prepared by protocol, so not from_sql) are
+# kept: DEALLOCATE ALL would drop them and make psycopg forget them all. DISCARD ALL is
+# not used: it cannot run in a query of several statements, which is a transaction block.
+# It all runs in the round trip that ends an attempt or a loan, inside or after its
+# transaction, and leaves nothing in the session (behind PgBouncer included). No % nor
+# braces: the text goes through the client's parameter binding and sql.SQL.
 RESET_SESSION = (
     "RESET ALL; RESET ROLE; RESET SESSION AUTHORIZATION; UNLISTEN *;"
-    " SELECT pg_advisory_unlock_all()"
+    " SELECT pg_advisory_unlock_all(); CLOSE ALL; DISCARD TEMP;"
+    " DO $$DECLARE statement text; BEGIN"
+    " FOR statement IN SELECT p.name FROM pg_catalog.pg_prepared_statements p WHERE p.from_sql"
+    " LOOP EXECUTE 'DEALLOCATE ' || pg_catalog.quote_ident(statement); END LOOP; END$$"
 )
 
 # How an attempt ends when its work is done: the success mark (attempt_id; NULL for a
