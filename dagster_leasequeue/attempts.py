@@ -12,8 +12,8 @@ work, so a paused process never holds its replacement up.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +22,15 @@ from psycopg import errors as pg_errors, pq
 
 from . import sql
 from .connection import CachedConnection, Executor, reset_session
-from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TransactionAbandoned
-from .lease import Lease, _describe_error
+from .driver import QueueDriver
+from .errors import (
+    ConfigurationError,
+    LeaseLost,
+    LeaseQueueError,
+    TransactionAbandoned,
+    describe_error,
+)
+from .lease import Lease
 
 logger = logging.getLogger("dagster_leasequeue")
 
@@ -111,12 +118,10 @@ class _SucceededElsewhere(Exception):
 def run_attempt(
     cached: CachedConnection,
     *,
-    schema: str,
+    driver: QueueDriver,
     target: AttemptTarget,
     lease: Lease | None,
     worker_id: str,
-    errors: Callable[[], AbstractContextManager[None]],
-    encode_result: Callable[[dict[str, Any] | None], str | None],
     idle_timeout: float,
 ) -> Iterator[Attempt]:
     """The attempt's life on one kept autocommit connection; see :meth:`LeaseQueue.attempt`.
@@ -134,9 +139,9 @@ def run_attempt(
     conn = cached.conn
     session_reset = False
     try:
-        with errors():
+        with driver.errors:
             row = cached.execute(
-                sql.compose(sql.BEGIN_ATTEMPT, schema),
+                driver.statement(sql.BEGIN_ATTEMPT),
                 {
                     "identity": target.identity,
                     "queue": target.queue,
@@ -156,19 +161,14 @@ def run_attempt(
             connection=conn,
         )
         conn.attempt_settings = _attempt_settings(idle_timeout)
-        session_reset = yield from _run(cached, schema, attempt, lease, errors, encode_result)
+        session_reset = yield from _run(cached, driver, attempt, lease)
     finally:
         if not session_reset:
             reset_session(conn)
 
 
 def _run(
-    cached: CachedConnection,
-    schema: str,
-    attempt: Attempt,
-    lease: Lease | None,
-    errors: Callable[[], AbstractContextManager[None]],
-    encode_result: Callable[[dict[str, Any] | None], str | None],
+    cached: CachedConnection, driver: QueueDriver, attempt: Attempt, lease: Lease | None
 ) -> Generator[Attempt, None, bool]:
     """The work's transaction and how it ends; True when its commit also reset the session."""
     conn = cached.conn
@@ -177,7 +177,7 @@ def _run(
         conn.autocommit = False
         try:
             yield attempt
-            encoded = encode_result(attempt.result)
+            encoded = driver.encode_result(attempt.result)
             if conn.pgconn.transaction_status == _IDLE:
                 # The work ran no statement (a duplicate, or effects kept elsewhere): no
                 # transaction to open just to conclude.
@@ -185,7 +185,7 @@ def _run(
                 script = sql.CONCLUDE_EMPTY_ATTEMPT
             else:
                 script = sql.CONCLUDE_ATTEMPT
-            _conclude(cached, schema, script, attempt, lease, encoded, errors)
+            _conclude(cached, driver, script, attempt, lease, encoded)
             session_reset = True
         except BaseException:
             _rollback(conn)
@@ -195,7 +195,7 @@ def _run(
             if not conn.closed:
                 conn.autocommit = True
     except _SucceededElsewhere:
-        _adopt_success(conn, schema, attempt, lease, errors, encode_result)
+        _adopt_success(conn, driver, attempt, lease)
     except (TransactionAbandoned, pg_errors.IdleInTransactionSessionTimeout):
         if lease is None:
             raise
@@ -205,12 +205,12 @@ def _run(
             "the lease and the server ended it; nothing was written"
         ) from None
     except BaseException as exc:
-        _record_failure(conn, schema, attempt, exc, errors)
+        _record_failure(conn, driver, attempt, exc)
         if lease is not None and not isinstance(exc, LeaseLost):
-            _fail_lease(conn, lease, exc, errors)
+            _fail_lease(conn, driver, lease, exc)
         raise
     if lease is not None:
-        lease.mark_acked()
+        lease._mark_acked()
     return session_reset
 
 
@@ -230,12 +230,11 @@ def _rollback(conn: psycopg.Connection[Any]) -> None:
 
 def _conclude(
     cached: CachedConnection,
-    schema: str,
+    driver: QueueDriver,
     script: str,
     attempt: Attempt,
     lease: Lease | None,
     encoded_result: str | None,
-    errors: Callable[[], AbstractContextManager[None]],
 ) -> None:
     """The success mark, the lease's fenced ack, the commit and the session's reset.
 
@@ -249,85 +248,73 @@ def _conclude(
         "result": encoded_result,
     }
     try:
-        cached.execute_script(sql.compose(script, schema), params)
+        cached.execute_script(driver.statement(script), params)
     except psycopg.Error as exc:
         # Only the success index means another attempt won; the caller's own unique
         # constraints (deferred ones fail at COMMIT) are errors like any other.
         on_success_index = (exc.diag.schema_name, exc.diag.constraint_name) == (
-            schema,
+            driver.schema,
             sql.SUCCESS_INDEX,
         )
         if isinstance(exc, pg_errors.UniqueViolation) and on_success_index:
             raise _SucceededElsewhere() from None
         if lease is not None and exc.sqlstate == sql.LEASE_GONE:
-            with errors():
+            with driver.errors:
                 cached.conn.rollback()
-                lease.raise_lost_on(cached, "ack")
-        with errors():
+                lease._raise_lost_on(cached, "ack")
+        with driver.errors:
             raise
 
 
 def _adopt_success(
-    conn: psycopg.Connection[Any],
-    schema: str,
-    attempt: Attempt,
-    lease: Lease | None,
-    errors: Callable[[], AbstractContextManager[None]],
-    encode_result: Callable[[dict[str, Any] | None], str | None],
+    conn: psycopg.Connection[Any], driver: QueueDriver, attempt: Attempt, lease: Lease | None
 ) -> None:
     """The key succeeded elsewhere while this attempt ran: it becomes a duplicate."""
-    with errors():
+    with driver.errors:
         row = conn.execute(
-            sql.compose(sql.SUCCESS_FOR_IDENTITY, schema), {"identity": attempt.target.identity}
+            driver.statement(sql.SUCCESS_FOR_IDENTITY), {"identity": attempt.target.identity}
         ).fetchone()
         attempt.duplicate = True
         attempt.result = row[0] if row else None
-        _finish(conn, schema, attempt, "skipped", None, None)
+        _finish(conn, driver, attempt, "skipped", None, None)
         if lease is not None:
-            lease.ack_on(conn, encode_result(attempt.result))
+            lease._ack_on(conn, driver.encode_result(attempt.result))
 
 
 def _finish(
     conn: Executor,
-    schema: str,
+    driver: QueueDriver,
     attempt: Attempt,
     outcome: str,
     error: str | None,
     encoded_result: str | None,
 ) -> None:
     conn.execute(
-        sql.compose(sql.FINISH_ATTEMPT, schema),
+        driver.statement(sql.FINISH_ATTEMPT),
         {"attempt_id": attempt.id, "outcome": outcome, "error": error, "result": encoded_result},
     )
 
 
 def _record_failure(
-    conn: psycopg.Connection[Any],
-    schema: str,
-    attempt: Attempt,
-    exc: BaseException,
-    errors: Callable[[], AbstractContextManager[None]],
+    conn: psycopg.Connection[Any], driver: QueueDriver, attempt: Attempt, exc: BaseException
 ) -> None:
     if attempt.duplicate or conn.closed or conn.broken:
         return
     try:
-        with errors():
-            _finish(conn, schema, attempt, "failed", _describe_error(exc), None)
+        with driver.errors:
+            _finish(conn, driver, attempt, "failed", describe_error(exc), None)
     except LeaseQueueError as record_error:
         logger.warning("could not record the failed attempt %s: %s", attempt.id, record_error)
 
 
 def _fail_lease(
-    conn: psycopg.Connection[Any],
-    lease: Lease,
-    exc: BaseException,
-    errors: Callable[[], AbstractContextManager[None]],
+    conn: psycopg.Connection[Any], driver: QueueDriver, lease: Lease, exc: BaseException
 ) -> None:
     # On this connection, idle since the rollback: the pool may have no other to lend.
     if conn.closed or conn.broken:
         return
     try:
-        with errors():
-            lease.fail_on(conn, exc)
+        with driver.errors:
+            lease._fail_on(conn, exc)
     except LeaseQueueError as fail_error:
         logger.warning("could not fail task %s: %s", lease.task_id, fail_error)

@@ -41,3 +41,11 @@ class TransactionAbandoned(LeaseQueueError):
 
 class TaskNotFound(LeaseQueueError, LookupError):
     """No task has the given id."""
+
+
+def describe_error(error: str | BaseException) -> str:
+    """How an error is stored in a task's ``last_error`` or an attempt's ``error``."""
+    if isinstance(error, BaseException):
+        text = str(error)
+        return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return str(error)

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import sql
 from .connection import Executor
-from .errors import LeaseLost, LeaseQueueError
+from .errors import LeaseLost, LeaseQueueError, describe_error
 from .limits import MAX_LEASE_SECONDS, check_seconds
 
 if TYPE_CHECKING:
-    from .queue import LeaseQueue
+    from .driver import QueueDriver
 
 logger = logging.getLogger("dagster_leasequeue")
 
@@ -41,7 +41,7 @@ class Lease:
 
     def __init__(
         self,
-        queue: LeaseQueue,
+        driver: QueueDriver,
         *,
         task_id: int,
         queue_name: str,
@@ -56,7 +56,7 @@ class Lease:
         lease_seconds: float,
         claimed_at: float,
     ) -> None:
-        self._queue = queue
+        self._driver = driver
         self.task_id = task_id
         self.queue = queue_name
         self.payload = payload
@@ -115,24 +115,24 @@ class Lease:
 
     def ack(self, result: dict[str, Any] | None = None) -> None:
         """Mark the task done, storing ``result``; raise LeaseLost if the lease is gone."""
-        encoded = self._queue._encode_result(result)
-        with self._queue._statements() as conn, self._lock:
+        encoded = self._driver.encode_result(result)
+        with self._driver.statements() as conn, self._lock:
             self._refuse_if_finished("ack")
-            self.ack_on(conn, encoded)
+            self._ack_on(conn, encoded)
             self._outcome = "acked"
 
-    def ack_on(self, conn: Executor, encoded_result: str | None) -> None:
+    def _ack_on(self, conn: Executor, encoded_result: str | None) -> None:
         """Run the fenced ack on ``conn``, inside the caller's transaction if it has one.
 
         The caller marks the lease finished once that transaction commits (see
-        :meth:`mark_acked`); this is how an attempt makes its effects and the ack atomic.
+        :meth:`_mark_acked`); this is how an attempt makes its effects and the ack atomic.
         """
         params = self._fence_params() | {"result": encoded_result}
         if conn.execute(self._statement(sql.ACK), params).rowcount != 1:
-            self.raise_lost_on(conn, "ack")
+            self._raise_lost_on(conn, "ack")
 
-    def mark_acked(self) -> None:
-        """Record that an ack run through :meth:`ack_on` has committed."""
+    def _mark_acked(self) -> None:
+        """Record that an ack run through :meth:`_ack_on` has committed."""
         with self._lock:
             self._outcome = "acked"
 
@@ -145,10 +145,10 @@ class Lease:
         """
         if retry_in is not None:
             retry_in = check_seconds("retry_in", retry_in, allow_zero=True)
-        with self._queue._statements() as conn:
-            return self.fail_on(conn, error, retry_in=retry_in)
+        with self._driver.statements() as conn:
+            return self._fail_on(conn, error, retry_in=retry_in)
 
-    def fail_on(
+    def _fail_on(
         self,
         conn: Executor,
         error: str | BaseException,
@@ -156,13 +156,13 @@ class Lease:
         retry_in: float | None = None,
     ) -> str:
         """:meth:`fail` on a given autocommit connection (an attempt's, after its rollback)."""
-        delay = self._queue._retry_delay(self.attempt) if retry_in is None else float(retry_in)
-        params = self._fence_params() | {"error": _describe_error(error), "retry_in": delay}
+        delay = self._driver.retry_delay(self.attempt) if retry_in is None else float(retry_in)
+        params = self._fence_params() | {"error": describe_error(error), "retry_in": delay}
         with self._lock:
             self._refuse_if_finished("fail")
             row = conn.execute(self._statement(sql.FAIL), params).fetchone()
             if row is None:
-                self.raise_lost_on(conn, "fail")
+                self._raise_lost_on(conn, "fail")
             self._outcome = "failed"
         return str(row[0])
 
@@ -175,10 +175,10 @@ class Lease:
         Fenced like :meth:`ack`: raises LeaseLost when the lease is gone.
         """
         params = self._fence_params() | {"delay": check_seconds("delay", delay, allow_zero=True)}
-        with self._queue._statements() as conn, self._lock:
+        with self._driver.statements() as conn, self._lock:
             self._refuse_if_finished("release")
             if conn.execute(self._statement(sql.RELEASE), params).rowcount != 1:
-                self.raise_lost_on(conn, "release")
+                self._raise_lost_on(conn, "release")
             self._outcome = "released"
 
     def renew(self, lease_seconds: float | None = None) -> datetime:
@@ -192,10 +192,10 @@ class Lease:
             sent = time.monotonic()
             # Renewals have a connection of their own: a worker whose pooled connections
             # are all busy (an attempt holds one) must still keep its leases.
-            with self._queue._renewal_connection() as conn:
+            with self._driver.renewal_connection() as conn:
                 row = conn.execute(self._statement(sql.RENEW), params).fetchone()
                 if row is None:
-                    self.raise_lost_on(conn, "renew")
+                    self._raise_lost_on(conn, "renew")
             self.expires_at = row[0]
             self.lease_seconds = seconds
             self._local_deadline = sent + seconds
@@ -235,7 +235,7 @@ class Lease:
     # -- helpers ---------------------------------------------------------------------------
 
     def _statement(self, template: str) -> str:
-        return sql.compose(template, self._queue.schema)
+        return self._driver.statement(template)
 
     def _fence_params(self) -> dict[str, Any]:
         return {"task_id": self.task_id, "token": self.token}
@@ -246,7 +246,7 @@ class Lease:
                 f"cannot {action} task {self.task_id}: this lease already {self._outcome} it"
             )
 
-    def raise_lost_on(self, conn: Executor, action: str) -> NoReturn:
+    def _raise_lost_on(self, conn: Executor, action: str) -> NoReturn:
         """Raise LeaseLost for ``action``, saying why the fence failed (read on ``conn``)."""
         row = conn.execute(self._statement(sql.LEASE_STATE), {"task_id": self.task_id}).fetchone()
         if row is None:
@@ -263,7 +263,7 @@ class Lease:
         )
 
     def _concluded_by_self(self) -> bool:
-        with self._queue._connection() as conn:
+        with self._driver.connection() as conn:
             row = conn.execute(
                 self._statement(sql.LEASE_STATE), {"task_id": self.task_id}
             ).fetchone()
@@ -281,7 +281,7 @@ class _Renewer(threading.Thread):
     def run(self) -> None:
         lease = self._lease
         while not self._stopped.wait(lease.lease_seconds * RENEW_FRACTION):
-            if lease._queue.closed:
+            if lease._driver.closed:
                 return
             try:
                 lease.renew()
@@ -316,10 +316,3 @@ class _Renewer(threading.Thread):
         self._stopped.set()
         if self is not threading.current_thread():
             self.join()
-
-
-def _describe_error(error: str | BaseException) -> str:
-    if isinstance(error, BaseException):
-        text = str(error)
-        return f"{type(error).__name__}: {text}" if text else type(error).__name__
-    return str(error)

@@ -4,34 +4,23 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime
 from types import TracebackType
 from typing import Any
 
 import psycopg
-from psycopg_pool import ConnectionPool
 
 from . import schema as schema_module, sql
 from .attempts import Attempt, AttemptTarget, attempt_target, run_attempt
 from .connection import (
-    BorrowedConnection,
-    BorrowedStatements,
-    CachedConnection,
-    ConnectionCache,
-    DatabaseErrors,
-    QueueConnection,
-    SharedConnection,
-    connection_options,
-    open_pool,
     reset_session,
 )
+from .driver import QueueDriver
 from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TaskNotFound
@@ -94,29 +83,14 @@ class LeaseQueue:
         self.embedded = not dsn
         if not dsn:
             dsn = embedded_dsn(self.settings.data_dir)
-        self._dsn = dsn
         self.location = describe(dsn)
         self.default_worker_id = f"{socket.gethostname()}:{os.getpid()}"
-        options = connection_options(
-            connect_timeout=self.settings.connect_timeout,
-            prepared_statements=self.settings.prepared_statements,
-        )
-        self._pool: ConnectionPool[QueueConnection] = open_pool(
-            dsn,
-            pool_size=self.settings.pool_size,
-            connect_timeout=self.settings.connect_timeout,
-            options=options,
-            name=f"leasequeue-{self.schema}",
-        )
-        self._connections = ConnectionCache(self._pool)
-        self._database_errors = DatabaseErrors(dsn, self.schema)
-        self._renewals = SharedConnection(dsn, options)
-        self._listener = Listener(dsn, self.schema, options)
+        self._driver = QueueDriver(dsn, self.schema, self.settings)
+        self._listener = Listener(dsn, self.schema, self._driver.options)
         self._notify = {
             "notify": self.settings.notify,
             "channel": sql.notify_channel(self.schema),
         }
-        self._closed = threading.Event()
 
     @classmethod
     def from_settings(cls, settings: LeaseQueueSettings | None = None) -> LeaseQueue:
@@ -139,17 +113,14 @@ class LeaseQueue:
 
     def close(self) -> None:
         """Close the connection pool. Leases still held simply expire and are swept."""
-        if not self._closed.is_set():
-            self._closed.set()
-            self._connections.close()
-            self._pool.close()
-            self._renewals.close()
+        if not self._driver.closed:
+            self._driver.close()
             self._listener.close()
 
     @property
     def closed(self) -> bool:
         """True once :meth:`close` was called."""
-        return self._closed.is_set()
+        return self._driver.closed
 
     # -- schema ----------------------------------------------------------------------------
 
@@ -158,7 +129,7 @@ class LeaseQueue:
 
         Idempotent and safe to call from several processes at once.
         """
-        with self._connection() as conn:
+        with self._driver.connection() as conn:
             return schema_module.install(conn, self.schema)
 
     def grant_worker(self, role: str) -> None:
@@ -169,18 +140,18 @@ class LeaseQueue:
         """
         if not isinstance(role, str) or not role or len(role.encode()) > 63:
             raise ConfigurationError(f"role must be a PostgreSQL role name, got {role!r}")
-        with self._connection() as conn, conn.transaction():
+        with self._driver.connection() as conn, conn.transaction():
             for template in sql.WORKER_GRANTS:
                 conn.execute(sql.compose_grant(template, self.schema, role))
 
     def check_installed(self) -> None:
         """Raise SchemaNotInstalled unless the schema is at this release's version."""
-        with self._connection() as conn:
+        with self._driver.connection() as conn:
             schema_module.require_installed(conn, self.schema)
 
     def installed_version(self) -> int:
         """The schema's migration version in the database (0: not installed)."""
-        with self._connection() as conn:
+        with self._driver.connection() as conn:
             return schema_module.installed_version(conn, self.schema)
 
     # -- producing -------------------------------------------------------------------------
@@ -217,11 +188,13 @@ class LeaseQueue:
             "run_at": _check_run_at(run_at, delay),
             "delay": None if delay is None else check_seconds("delay", delay, allow_zero=True),
         } | self._notify
-        with self._statements() as conn:
+        with self._driver.statements() as conn:
             for _ in range(_ENQUEUE_RETRIES):
-                row = conn.execute(self._sql(sql.ENQUEUE), params).fetchone()
+                row = conn.execute(self._driver.statement(sql.ENQUEUE), params).fetchone()
                 if row is None:
-                    row = conn.execute(self._sql(sql.FIND_UNFINISHED_BY_KEY), params).fetchone()
+                    row = conn.execute(
+                        self._driver.statement(sql.FIND_UNFINISHED_BY_KEY), params
+                    ).fetchone()
                 if row is not None:
                     return int(row[0])
         raise ConfigurationError(  # pragma: no cover - needs a task finishing at every retry
@@ -253,8 +226,8 @@ class LeaseQueue:
             "max_attempts": self._max_attempts(max_attempts),
             "payloads": encoded,
         } | self._notify
-        with self._statements() as conn:
-            rows = conn.execute(self._sql(sql.ENQUEUE_MANY), params).fetchall()
+        with self._driver.statements() as conn:
+            rows = conn.execute(self._driver.statement(sql.ENQUEUE_MANY), params).fetchall()
         # Identity values are drawn in the order the rows were inserted.
         return sorted(int(row[0]) for row in rows)
 
@@ -304,18 +277,18 @@ class LeaseQueue:
         statement = sql.compose_claim(self.schema, limit)
         deadline = time.monotonic() + wait
         if wait:
-            with self._errors():
+            with self._driver.errors:
                 mark = self._listener.listen()
         while True:
             sent = time.monotonic()
-            with self._statements() as conn:
+            with self._driver.statements() as conn:
                 rows = conn.execute(statement, params).fetchall()
             if rows or not wait:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            with self._errors():
+            with self._driver.errors:
                 # Delayed and retried tasks send no notification: look again each second.
                 mark = self._listener.wait(min(remaining, _POLL_SECONDS), mark)
         if len(rows) > 1:
@@ -323,7 +296,7 @@ class LeaseQueue:
             rows.sort(key=lambda row: (-row[2], row[9], row[0]))
         return [
             Lease(
-                self,
+                self._driver,
                 task_id=row[0],
                 queue_name=queue,
                 payload=row[1],
@@ -351,7 +324,7 @@ class LeaseQueue:
         """
         if limit is not None:
             check_count("limit", limit)
-        with self._connection() as conn:
+        with self._driver.connection() as conn:
             return sweep_expired(
                 conn, self.schema, batch_size=self.settings.sweep_batch_size, limit=limit
             )
@@ -366,16 +339,20 @@ class LeaseQueue:
             "after_id": check_count("after_id", after_id, minimum=0, maximum=2**63 - 1),
             "limit": check_count("limit", limit),
         }
-        with self._connection() as conn:
-            rows = conn.execute(self._sql(sql.RECOVERY_EVENTS_AFTER), params).fetchall()
+        with self._driver.connection() as conn:
+            rows = conn.execute(
+                self._driver.statement(sql.RECOVERY_EVENTS_AFTER), params
+            ).fetchall()
         return [RecoveryEvent(*row) for row in rows]
 
     # -- inspecting and steering -----------------------------------------------------------
 
     def get(self, task_id: int) -> TaskInfo:
         """The task with this id; raise TaskNotFound if there is none."""
-        with self._connection() as conn:
-            row = conn.execute(self._sql(sql.GET_TASK), {"task_id": task_id}).fetchone()
+        with self._driver.connection() as conn:
+            row = conn.execute(
+                self._driver.statement(sql.GET_TASK), {"task_id": task_id}
+            ).fetchone()
         if row is None:
             raise TaskNotFound(f"no task with id {task_id} in schema {self.schema!r}")
         return TaskInfo(*row)
@@ -397,8 +374,8 @@ class LeaseQueue:
             "after_id": check_count("after_id", after_id, minimum=0, maximum=2**63 - 1),
             "limit": check_count("limit", limit),
         }
-        with self._connection() as conn:
-            rows = conn.execute(self._sql(sql.LIST_TASKS), params).fetchall()
+        with self._driver.connection() as conn:
+            rows = conn.execute(self._driver.statement(sql.LIST_TASKS), params).fetchall()
         return [TaskInfo(*row) for row in rows]
 
     def stats(self, queue: str | None = None, *, finished: bool = True) -> QueueStats:
@@ -432,8 +409,8 @@ class LeaseQueue:
     def _stats_rows(self, queue: str | None, finished: bool) -> dict[str, QueueStats]:
         statement = sql.STATS if finished else sql.LIVE_STATS
         statuses = STATUSES if finished else LIVE
-        with self._connection() as conn:
-            rows = conn.execute(self._sql(statement), {"queue": queue}).fetchall()
+        with self._driver.connection() as conn:
+            rows = conn.execute(self._driver.statement(statement), {"queue": queue}).fetchall()
         per_queue: dict[str, QueueStats] = {}
         for name, status, count, due, age in rows:
             stats = per_queue.setdefault(
@@ -445,10 +422,18 @@ class LeaseQueue:
                 per_queue[name] = replace(stats, oldest_enqueued_seconds=oldest, due=int(due))
         return dict(sorted(per_queue.items()))
 
+    def database_now(self) -> datetime:
+        """The database's clock now (``clock_timestamp()``): the clock every lease is read by."""
+        with self._driver.connection() as conn:
+            row = conn.execute(self._driver.statement(sql.DATABASE_NOW)).fetchone()
+        assert row is not None
+        now: datetime = row[0]
+        return now
+
     def queues(self) -> list[str]:
         """The names of the queues that hold tasks."""
-        with self._connection() as conn:
-            rows = conn.execute(self._sql(sql.QUEUE_NAMES)).fetchall()
+        with self._driver.connection() as conn:
+            rows = conn.execute(self._driver.statement(sql.QUEUE_NAMES)).fetchall()
         return [str(row[0]) for row in rows]
 
     def ack_many(
@@ -460,7 +445,7 @@ class LeaseQueue:
         are acked all the same and :class:`LeaseLost` is then raised naming the lost ones.
         """
         held = list(leases)
-        encoded = [self._encode_result(r) for r in (results or [None] * len(held))]
+        encoded = [self._driver.encode_result(r) for r in (results or [None] * len(held))]
         if len(encoded) != len(held):
             raise ConfigurationError("ack_many needs one result per lease (or no results)")
         if not held:
@@ -470,11 +455,13 @@ class LeaseQueue:
             "tokens": [lease.token for lease in held],
             "results": encoded,
         }
-        with self._statements() as conn:
-            acked = {int(row[0]) for row in conn.execute(self._sql(sql.ACK_MANY), params)}
+        with self._driver.statements() as conn:
+            acked = {
+                int(row[0]) for row in conn.execute(self._driver.statement(sql.ACK_MANY), params)
+            }
         for lease in held:
             if lease.task_id in acked:
-                lease.mark_acked()
+                lease._mark_acked()
         lost = [lease.task_id for lease in held if lease.task_id not in acked]
         if lost:
             raise LeaseLost(
@@ -511,9 +498,9 @@ class LeaseQueue:
             "limit": check_count("batch_size", batch_size),
         }
         deleted = 0
-        with self._connection() as conn:
+        with self._driver.connection() as conn:
             while True:
-                row = conn.execute(self._sql(sql.PURGE_BATCH), params).fetchone()
+                row = conn.execute(self._driver.statement(sql.PURGE_BATCH), params).fetchone()
                 picked, count = (int(row[0]), int(row[1])) if row else (0, 0)
                 deleted += count
                 if on_batch is not None:
@@ -526,10 +513,12 @@ class LeaseQueue:
 
         A worker holding it loses its lease: its ack, fail and renew raise LeaseLost.
         """
-        with self._connection() as conn:
-            if conn.execute(self._sql(sql.CANCEL), {"task_id": task_id}).fetchone():
+        with self._driver.connection() as conn:
+            if conn.execute(self._driver.statement(sql.CANCEL), {"task_id": task_id}).fetchone():
                 return True
-            if conn.execute(self._sql(sql.TASK_EXISTS), {"task_id": task_id}).fetchone():
+            if conn.execute(
+                self._driver.statement(sql.TASK_EXISTS), {"task_id": task_id}
+            ).fetchone():
                 return False
         raise TaskNotFound(f"no task with id {task_id} in schema {self.schema!r}")
 
@@ -544,10 +533,12 @@ class LeaseQueue:
             "task_ids": None if task_ids is None else [int(task_id) for task_id in task_ids],
             "queue": queue,
         }
-        with self._connection() as conn:
+        with self._driver.connection() as conn:
             for _ in range(_ENQUEUE_RETRIES):
                 try:
-                    retried = conn.execute(self._sql(sql.RETRY_DEAD), params).fetchall()
+                    retried = conn.execute(
+                        self._driver.statement(sql.RETRY_DEAD), params
+                    ).fetchall()
                     break
                 except psycopg.errors.UniqueViolation:
                     # An enqueue took one of the keys after this statement looked: look
@@ -555,7 +546,9 @@ class LeaseQueue:
                     continue
             else:  # pragma: no cover - needs a new enqueue of a key at every try
                 raise LeaseQueueError("retry_dead: the keys of these tasks kept changing hands")
-            for task_id, key in conn.execute(self._sql(sql.DEAD_WITH_KEY_TAKEN), params):
+            for task_id, key in conn.execute(
+                self._driver.statement(sql.DEAD_WITH_KEY_TAKEN), params
+            ):
                 logger.warning(
                     "retry_dead: task %s stays dead: an unfinished task of its queue holds "
                     "its idempotency key %r",
@@ -598,15 +591,13 @@ class LeaseQueue:
             lease.raise_if_lost()
         worker = worker_id or (lease.worker_id if lease else None) or self.default_worker_id
         with (
-            self._lent_connection() as cached,
+            self._driver.lent_connection() as cached,
             run_attempt(
                 cached,
-                schema=self.schema,
+                driver=self._driver,
                 target=target,
                 lease=lease,
                 worker_id=worker,
-                errors=self._errors,
-                encode_result=self._encode_result,
                 idle_timeout=max(lease.lease_seconds if lease else self.settings.lease_seconds, 2),
             ) as attempt,
         ):
@@ -622,11 +613,13 @@ class LeaseQueue:
         ``attempts(task_id=...)``: the attempts at that task's work (its queue and
         idempotency key, or the task itself when it has none).
         """
-        with self._connection() as conn:
+        with self._driver.connection() as conn:
             if task_id is not None:
                 if key is not None or queue is not None:
                     raise ConfigurationError("give attempts() a task_id, or a key, not both")
-                row = conn.execute(self._sql(sql.TASK_ATTEMPT_KEY), {"task_id": task_id}).fetchone()
+                row = conn.execute(
+                    self._driver.statement(sql.TASK_ATTEMPT_KEY), {"task_id": task_id}
+                ).fetchone()
                 # A purged task is looked up as a task without idempotency key: by its id.
                 queue, key = (row[0], row[1]) if row else (None, None)
                 target = AttemptTarget(queue=queue, key=key, task_id=task_id)
@@ -635,19 +628,9 @@ class LeaseQueue:
             else:
                 target = AttemptTarget(queue=queue, key=_check_key(key), task_id=None)
             rows = conn.execute(
-                self._sql(sql.ATTEMPTS_FOR_IDENTITY), {"identity": target.identity}
+                self._driver.statement(sql.ATTEMPTS_FOR_IDENTITY), {"identity": target.identity}
             ).fetchall()
         return [AttemptRecord(*row) for row in rows]
-
-    # -- internals shared with Lease and the attempts ---------------------------------------
-
-    def _connection(self) -> AbstractContextManager[psycopg.Connection[Any]]:
-        """A pooled connection for the package's own statements, with errors mapped."""
-        return BorrowedConnection(self._connections, self._database_errors)
-
-    def _statements(self) -> AbstractContextManager[CachedConnection]:
-        """A kept connection with a cursor per statement, for the hot ones (claim, ack)."""
-        return BorrowedStatements(self._connections, self._database_errors)
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -661,43 +644,11 @@ class LeaseQueue:
         ``read_only``, ``isolation_level``, ``prepare_threshold``, ...), its adapters and
         the notice and notification handlers you added.
         """
-        with self._lent_connection() as cached:
+        with self._driver.lent_connection() as cached:
             try:
                 yield cached.conn
             finally:
                 reset_session(cached.conn)
-
-    @contextmanager
-    def _lent_connection(self) -> Iterator[CachedConnection]:
-        """A kept connection whose borrower resets the session before giving it back."""
-        with self._errors():
-            cached = self._connections.acquire()
-        try:
-            yield cached
-        finally:
-            self._connections.release(cached)
-
-    @contextmanager
-    def _renewal_connection(self) -> Iterator[psycopg.Connection[Any]]:
-        with self._errors(), self._renewals.use() as conn:
-            yield conn
-
-    def _errors(self) -> AbstractContextManager[None]:
-        return self._database_errors
-
-    def _sql(self, template: str) -> str:
-        return sql.compose(template, self.schema)
-
-    def _encode_result(self, result: Mapping[str, Any] | None) -> str | None:
-        if result is None:
-            return None
-        return encode_object(result, what="result", max_bytes=self.settings.payload_max_bytes)
-
-    def _retry_delay(self, attempt: int) -> float:
-        """Exponential backoff with jitter: between half and all of base * 2**(attempt-1)."""
-        base, cap = self.settings.retry_backoff_base, self.settings.retry_backoff_cap
-        ceiling = min(cap, base * 2.0 ** min(max(attempt - 1, 0), 62))
-        return ceiling / 2 + random.uniform(0, ceiling / 2)
 
     def _max_attempts(self, value: int | None) -> int:
         if value is None:

@@ -9,7 +9,7 @@ from dagster_leasequeue import LeaseQueue
 
 def run_sql(queue: LeaseQueue, statement: str, params: dict[str, Any] | None = None) -> list[Any]:
     """Run SQL against the queue's schema (``{schema}`` is replaced by its quoted name)."""
-    with queue._connection() as conn:
+    with queue._driver.connection() as conn:
         cursor = conn.execute(statement.replace("{schema}", f'"{queue.schema}"'), params)
         return cursor.fetchall() if cursor.description else []
 

@@ -206,7 +206,7 @@ def test_deferrable_does_not_outlive_the_loan(small: LeaseQueue, lend: Lend) -> 
     assert_queue_works(small)
 
 
-def test_autocommit_does_not_outlive_the_loan(small: LeaseQueue, lend: Lend) -> None:
+def test_autocommit_does_not_outlive_the_loan(dsn: str, small: LeaseQueue, lend: Lend) -> None:
     pid = backend_pid(small)
     with lend(small) as conn:
         conn.autocommit = not conn.autocommit
@@ -214,7 +214,7 @@ def test_autocommit_does_not_outlive_the_loan(small: LeaseQueue, lend: Lend) -> 
         assert conn.autocommit is True
     task_id = small.enqueue({"doc": "a"})
     # Committed: another session sees it.
-    with psycopg.connect(small._dsn, autocommit=True) as other:
+    with psycopg.connect(dsn, autocommit=True) as other:
         status = other.execute(
             f'SELECT status FROM "{small.schema}".tasks WHERE id = %s', (task_id,)
         ).fetchone()

@@ -65,7 +65,7 @@ def test_threads_share_the_pool_without_waiting_on_each_other(
 
 
 def test_a_statement_left_in_a_transaction_is_rolled_back_not_reused(queue: LeaseQueue) -> None:
-    with queue._connection() as conn:
+    with queue._driver.connection() as conn:
         conn.execute("BEGIN")
         conn.execute(f'CREATE TABLE "{queue.schema}".half_done (n int)')
     assert run_sql(queue, "SELECT to_regclass('{schema}.half_done')") == [(None,)]
@@ -130,17 +130,17 @@ def test_a_role_and_locks_taken_on_a_lent_connection_do_not_outlive_the_loan(
 
 
 def test_connections_kept_past_their_time_go_back_to_the_pool(queue: LeaseQueue) -> None:
-    queue._connections.REFRESH_SECONDS = 0.0  # every kept connection is due back at once
+    queue._driver._connections.REFRESH_SECONDS = 0.0  # every kept connection is due back at once
     queue.enqueue_many([{"n": n} for n in range(5)])
     while (lease := queue.claim()) is not None:
         lease.ack()
     assert queue.stats().counts["done"] == 5
-    stats = queue._pool.get_stats()
+    stats = queue._driver._pool.get_stats()
     assert stats.get("connections_num", 1) <= queue.settings.pool_size
 
 
 def test_each_statement_keeps_its_own_cursor_and_results_stay_apart(queue: LeaseQueue) -> None:
-    with queue._statements() as cached:
+    with queue._driver.statements() as cached:
         statements = [
             f"SELECT {n}::int + %(x)s::int" for n in range(CachedConnection.MAX_CURSORS + 3)
         ]

@@ -101,7 +101,7 @@ def test_renew_extends_from_the_database_clock(queue: LeaseQueue) -> None:
 
 def test_claim_in_an_old_transaction_gets_its_full_lease(queue: LeaseQueue) -> None:
     queue.enqueue({"n": 1})
-    with queue._connection() as conn, conn.transaction():
+    with queue._driver.connection() as conn, conn.transaction():
         began = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
         time.sleep(1.2)
         claimed = conn.execute(
@@ -145,8 +145,8 @@ def test_fail_retries_with_backoff_then_dies(queue: LeaseQueue) -> None:
 
 def test_backoff_is_capped(make_queue) -> None:  # type: ignore[no-untyped-def]
     queue = make_queue(retry_backoff_base=10, retry_backoff_cap=30)
-    assert all(15 <= queue._retry_delay(n) <= 30 for n in (3, 10, 1000))
-    assert 5 <= queue._retry_delay(1) <= 10
+    assert all(15 <= queue._driver.retry_delay(n) <= 30 for n in (3, 10, 1000))
+    assert 5 <= queue._driver.retry_delay(1) <= 10
 
 
 def test_retry_in_overrides_backoff(queue: LeaseQueue) -> None:
@@ -322,7 +322,7 @@ def test_a_lease_that_cannot_be_renewed_lapses(queue: LeaseQueue) -> None:
     queue.enqueue({"n": 1})
     lease = claim_one(queue, lease_seconds=0.6)
     # The database becomes unreachable for renewals only.
-    queue._renewals = SharedConnection("postgresql://127.0.0.1:1/none", {"connect_timeout": 2})
+    queue._driver._renewals = SharedConnection("postgresql://127.0.0.1:1/none", {"connect_timeout": 2})
     with pytest.raises(LeaseLost), lease:
         deadline = time.monotonic() + 10
         while not lease.lost and time.monotonic() < deadline:
