@@ -1,8 +1,9 @@
 """dagster-leasequeue: a durable, fenced, leased task queue in PostgreSQL, for Dagster.
 
 The core queue (:class:`LeaseQueue`) needs only psycopg. The Dagster layer
-(:class:`LeaseQueueResource`, :func:`build_sweeper_sensor`, :func:`queue_asset_specs`) is
-imported on first use, so a plain worker process never pays for importing Dagster.
+(:mod:`dagster_leasequeue.dagster`: :class:`LeaseQueueResource`, :func:`build_sweeper_sensor`,
+:func:`queue_asset_specs` and the rest) is imported on first use, so a plain worker process
+never pays for importing Dagster.
 """
 
 import importlib
@@ -30,27 +31,34 @@ from dagster_leasequeue.models import (
 from dagster_leasequeue.queue import LeaseQueue as LeaseQueue
 from dagster_leasequeue.settings import LeaseQueueSettings as LeaseQueueSettings
 from dagster_leasequeue.version import __version__ as __version__
+from dagster_leasequeue.worker import (
+    WorkerSummary as WorkerSummary,
+    run_worker as run_worker,
+)
 
 if TYPE_CHECKING:
-    from dagster_leasequeue.checks import build_queue_asset_checks as build_queue_asset_checks
-    from dagster_leasequeue.launcher import (
+    from dagster_leasequeue.dagster.checks import (
+        build_queue_asset_checks as build_queue_asset_checks,
+    )
+    from dagster_leasequeue.dagster.keys import queue_asset_key as queue_asset_key
+    from dagster_leasequeue.dagster.launcher import (
         build_worker_launcher_sensor as build_worker_launcher_sensor,
     )
-    from dagster_leasequeue.resource import LeaseQueueResource as LeaseQueueResource
-    from dagster_leasequeue.sensors import (
+    from dagster_leasequeue.dagster.resource import LeaseQueueResource as LeaseQueueResource
+    from dagster_leasequeue.dagster.sensors import (
         build_sweeper_sensor as build_sweeper_sensor,
-        queue_asset_key as queue_asset_key,
         queue_asset_specs as queue_asset_specs,
     )
 
-# The Dagster layer, imported on first use: a worker that only needs the queue skips Dagster.
+# The Dagster layer (dagster_leasequeue.dagster), imported on first use: a worker that only
+# needs the queue skips Dagster.
 _DAGSTER_EXPORTS = {
-    "LeaseQueueResource": "dagster_leasequeue.resource",
-    "build_queue_asset_checks": "dagster_leasequeue.checks",
-    "build_worker_launcher_sensor": "dagster_leasequeue.launcher",
-    "build_sweeper_sensor": "dagster_leasequeue.sensors",
-    "queue_asset_key": "dagster_leasequeue.sensors",
-    "queue_asset_specs": "dagster_leasequeue.sensors",
+    "LeaseQueueResource": "dagster_leasequeue.dagster.resource",
+    "build_queue_asset_checks": "dagster_leasequeue.dagster.checks",
+    "build_worker_launcher_sensor": "dagster_leasequeue.dagster.launcher",
+    "build_sweeper_sensor": "dagster_leasequeue.dagster.sensors",
+    "queue_asset_key": "dagster_leasequeue.dagster.keys",
+    "queue_asset_specs": "dagster_leasequeue.dagster.sensors",
 }
 
 
@@ -80,10 +88,12 @@ __all__ = [
     "TaskInfo",
     "TaskNotFound",
     "TransactionAbandoned",
+    "WorkerSummary",
     "__version__",
     "build_queue_asset_checks",
     "build_sweeper_sensor",
     "build_worker_launcher_sensor",
     "queue_asset_key",
     "queue_asset_specs",
+    "run_worker",
 ]

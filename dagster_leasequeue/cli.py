@@ -8,30 +8,19 @@ exits with 2 (click's convention).
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import logging
-import os
-import re
-import signal
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from dagster_leasequeue import (
-    DatabaseUnavailable,
-    Lease,
-    LeaseLost,
+    ConfigurationError,
     LeaseQueue,
     LeaseQueueError,
     LeaseQueueSettings,
@@ -41,18 +30,25 @@ from dagster_leasequeue import (
     TaskInfo,
     __version__,
 )
+from dagster_leasequeue.cli_format import (
+    DURATION,
+    age,
+    echo_json,
+    parse_object,
+    shorten,
+    table,
+    when,
+)
 from dagster_leasequeue.embedded import server_status, start_server, stop_server
 from dagster_leasequeue.limits import MAX_LEASE_SECONDS
 from dagster_leasequeue.models import FINISHED, STATUSES
 from dagster_leasequeue.payloads import encode_object
+from dagster_leasequeue.worker import Handler, load_handler, run_worker
 
 logger = logging.getLogger("dagster_leasequeue.cli")
 
 # enqueue --file sends this many payloads per enqueue_many statement.
 ENQUEUE_CHUNK = 1000
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION = re.compile(r"(?:\d+(?:\.\d+)?[smhd])+|\d+(?:\.\d+)?")
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 
 
 # -- configuration and errors --------------------------------------------------------------
@@ -94,119 +90,6 @@ def _open_queue(ctx: click.Context) -> LeaseQueue:
         queue = LeaseQueue(config.dsn, schema=config.schema, settings=LeaseQueueSettings())
         config.queue = ctx.find_root().with_resource(queue)
     return config.queue
-
-
-# -- durations, JSON and tables ------------------------------------------------------------
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a duration such as ``30s``, ``15m``, ``12h``, ``7d`` or ``1h30m``.
-
-    A bare number counts seconds.
-    """
-    compact = text.strip().lower().replace(" ", "")
-    if not _DURATION.fullmatch(compact):
-        raise ValueError(
-            f"{text!r} is not a duration: use a number and a unit (s, m, h or d), "
-            "for example 30s, 15m, 12h, 7d or 1h30m"
-        )
-    if compact[-1].isdigit():
-        return float(compact)
-    return sum(float(number) * _UNITS[unit] for number, unit in _DURATION_PART.findall(compact))
-
-
-if TYPE_CHECKING:
-    _DurationBase = click.ParamType[float]
-else:  # click before 8.2 has no generic ParamType
-    _DurationBase = click.ParamType
-
-
-class _Duration(_DurationBase):
-    """A click parameter type for :func:`parse_duration`."""
-
-    name = "duration"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> float:
-        if isinstance(value, (int, float)):
-            return float(value)
-        try:
-            return parse_duration(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-DURATION = _Duration()
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
-
-
-def _echo_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, default=_json_default, ensure_ascii=False))
-
-
-def _parse_object(text: str, what: str) -> dict[str, Any]:
-    """Parse a JSON object, or stop with a one-line error before anything is written."""
-
-    def refuse_constant(name: str) -> Any:
-        # json accepts NaN and Infinity, which are not JSON and which jsonb refuses.
-        raise ValueError(f"{name} is not a JSON value")
-
-    try:
-        value = json.loads(text, parse_constant=refuse_constant)
-    except ValueError as exc:
-        raise click.ClickException(f"{what} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise click.ClickException(
-            f"{what} must be a JSON object, got {type(value).__name__}: "
-            'wrap it, for example {"value": ...}'
-        )
-    return value
-
-
-def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], numeric: set[int]) -> str:
-    """A plain text table; the columns in ``numeric`` are right-aligned."""
-    body = [list(row) for row in rows]
-    widths = [
-        max([len(header), *(len(row[i]) for row in body)]) for i, header in enumerate(headers)
-    ]
-
-    def line(cells: Sequence[str]) -> str:
-        padded = (
-            cell.rjust(width) if i in numeric else cell.ljust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        )
-        return "  ".join(padded).rstrip()
-
-    return "\n".join([line(headers), *(line(row) for row in body)])
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    whole = int(seconds)
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    if whole < 86400:
-        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
-
-
-def _when(value: datetime | None) -> str:
-    return "-" if value is None else value.isoformat(sep=" ", timespec="seconds")
-
-
-def _shorten(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 # -- the root command ----------------------------------------------------------------------
@@ -308,7 +191,7 @@ def enqueue(
     if payload is None:
         raise click.UsageError("missing PAYLOAD: a JSON object, or - to read it from stdin")
     text = sys.stdin.read() if payload == "-" else payload
-    parsed = _parse_object(text, "the payload")
+    parsed = parse_object(text, "the payload")
     task_id = _open_queue(ctx).enqueue(
         parsed,
         queue=queue_name,
@@ -326,7 +209,7 @@ def _file_payloads(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         try:
             for number, line in enumerate(lines, start=1):
                 if line.strip():
-                    yield number, _parse_object(line, f"line {number} of {path}")
+                    yield number, parse_object(line, f"line {number} of {path}")
         except UnicodeDecodeError as exc:
             raise click.ClickException(f"{path} is not UTF-8 text: {exc}") from None
 
@@ -394,7 +277,7 @@ def stats(ctx: click.Context, as_json: bool) -> None:
     """
     per_queue = _open_queue(ctx).stats_by_queue()
     if as_json:
-        _echo_json({name: _stats_dict(queue_stats) for name, queue_stats in per_queue.items()})
+        echo_json({name: _stats_dict(queue_stats) for name, queue_stats in per_queue.items()})
     elif not per_queue:
         click.echo("no tasks")
     else:
@@ -416,11 +299,11 @@ def _stats_table(per_queue: Mapping[str, QueueStats]) -> str:
             name,
             *(str(queue_stats.counts.get(status, 0)) for status in STATUSES),
             str(queue_stats.total),
-            _age(queue_stats.oldest_enqueued_seconds),
+            age(queue_stats.oldest_enqueued_seconds),
         ]
         for name, queue_stats in per_queue.items()
     ]
-    return _table(headers, rows, numeric=set(range(1, len(headers))))
+    return table(headers, rows, numeric=set(range(1, len(headers))))
 
 
 @main.command("list")
@@ -451,7 +334,7 @@ def list_command(
         status=status, queue=queue_name, after_id=after_id, limit=limit
     )
     if as_json:
-        _echo_json([asdict(task) for task in tasks])
+        echo_json([asdict(task) for task in tasks])
     elif not tasks:
         click.echo("no tasks")
     else:
@@ -469,12 +352,12 @@ def _tasks_table(tasks: Sequence[TaskInfo]) -> str:
             task.status,
             str(task.priority),
             f"{task.attempts}/{task.max_attempts}",
-            _when(task.created_at),
-            _shorten(json.dumps(task.payload, ensure_ascii=False), 60),
+            when(task.created_at),
+            shorten(json.dumps(task.payload, ensure_ascii=False), 60),
         ]
         for task in tasks
     ]
-    return _table(headers, rows, numeric={0, 3})
+    return table(headers, rows, numeric={0, 3})
 
 
 @main.command()
@@ -485,7 +368,7 @@ def show(ctx: click.Context, task_id: int, as_json: bool) -> None:
     """Show every field of the task TASK_ID."""
     task = _open_queue(ctx).get(task_id)
     if as_json:
-        _echo_json(asdict(task))
+        echo_json(asdict(task))
     else:
         click.echo(_describe_task(task))
 
@@ -499,11 +382,11 @@ def _describe_task(task: TaskInfo) -> str:
         ("attempts", f"{task.attempts} of {task.max_attempts}"),
         ("idempotency key", task.idempotency_key or "-"),
         ("worker", task.worker_id or "-"),
-        ("run at", _when(task.run_at)),
-        ("lease expires at", _when(task.lease_expires_at)),
-        ("created at", _when(task.created_at)),
-        ("updated at", _when(task.updated_at)),
-        ("finished at", _when(task.finished_at)),
+        ("run at", when(task.run_at)),
+        ("lease expires at", when(task.lease_expires_at)),
+        ("created at", when(task.created_at)),
+        ("updated at", when(task.updated_at)),
+        ("finished at", when(task.finished_at)),
         ("last error", task.last_error or "-"),
     ]
     lines = [f"{name + ':':<18}{value}" for name, value in fields]
@@ -561,13 +444,13 @@ def sweep(ctx: click.Context, as_json: bool) -> None:
     """
     recovered = _open_queue(ctx).sweep()
     if as_json:
-        _echo_json([asdict(task) for task in recovered])
+        echo_json([asdict(task) for task in recovered])
         return
     for task in recovered:
         click.echo(
             f"task {task.task_id} in queue {task.queue!r}: {task.action} "
             f"(attempt {task.attempt}, worker {task.worker_id or '-'}, "
-            f"lease expired at {_when(task.lease_expires_at)})"
+            f"lease expired at {when(task.lease_expires_at)})"
         )
     click.echo(f"recovered {len(recovered)} task(s)")
 
@@ -647,159 +530,12 @@ def _show_purged(deleted: int) -> None:
 # -- worker --------------------------------------------------------------------------------
 
 
-class _Aborted(KeyboardInterrupt):
-    """Raised inside the handler by a second signal.
-
-    A KeyboardInterrupt, so a handler's ``except Exception`` lets it by and psycopg cancels
-    a query the handler is waiting on.
-    """
-
-
-@dataclass(frozen=True)
-class _Handler:
-    """The user's task function, and whether it also takes the lease."""
-
-    function: Callable[..., Any]
-    takes_lease: bool
-    name: str
-
-    def __call__(self, lease: Lease) -> dict[str, Any] | None:
-        result = (
-            self.function(lease.payload, lease)
-            if self.takes_lease
-            else self.function(lease.payload)
-        )
-        if result is None:
-            return None
-        if not isinstance(result, Mapping):
-            raise TypeError(
-                f"the handler {self.name} returned {type(result).__name__}; "
-                "it must return a dict (the task's result) or None"
-            )
-        return dict(result)
-
-
-def _takes_lease(function: Callable[..., Any]) -> bool:
-    """True when ``function`` accepts a second positional argument (the lease)."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # some builtins have no signature
-        return False
-    positional = [
-        p
-        for p in parameters
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    variadic = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
-    return len(positional) >= 2 or variadic
-
-
-def _load_handler(ctx: click.Context, param: click.Parameter, spec: str) -> _Handler:
+def _load_handler(ctx: click.Context, param: click.Parameter, spec: str) -> Handler:
     """Import "package.module:function" (a click callback: a bad one is a usage error)."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise click.BadParameter("expected package.module:function", ctx, param)
-    # A console script puts its own directory first on sys.path, not the working directory
-    # as `python -m` does; add it so a handler module beside the user is found either way.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise click.BadParameter(f"cannot import {module_name!r}: {exc}", ctx, param) from None
-    for part in attribute.split("."):
-        target = getattr(target, part, None)
-        if target is None:
-            raise click.BadParameter(f"{module_name!r} has no attribute {attribute!r}", ctx, param)
-    if not callable(target):
-        raise click.BadParameter(f"{spec} is not callable", ctx, param)
-    return _Handler(target, _takes_lease(target), spec)
-
-
-class _Shutdown:
-    """Graceful stop on SIGTERM and SIGINT.
-
-    The first signal stops claiming and lets the current task finish; a second one, while
-    the handler runs, raises :class:`_Aborted` in it so the task is released at once.
-    """
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self.aborted = False
-        self._signals = 0
-        self._in_handler = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Shutdown:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-
-    def wait(self, seconds: float) -> None:
-        """Sleep between polls, waking at once when a stop is requested."""
-        self.requested.wait(seconds)
-
-    def run_handler(self, handler: _Handler, lease: Lease) -> dict[str, Any] | None:
-        """Run the handler where a second signal can interrupt it (and only there)."""
-        self._in_handler = True
-        try:
-            return handler(lease)
-        finally:
-            self._in_handler = False
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signals += 1
-        self.requested.set()
-        name = signal.Signals(signum).name
-        if self._signals == 1:
-            logger.warning(
-                "%s received: stopping once the current task, if any, is finished "
-                "(send it again to release a running task at once)",
-                name,
-            )
-        elif self._in_handler and not self.aborted:
-            logger.warning("%s received again: releasing the current task", name)
-            self._in_handler = False
-            self.aborted = True
-            raise _Aborted
-        # Otherwise the worker is between tasks and already stopping.
-
-
-@dataclass
-class _Tally:
-    """What became of the tasks this worker claimed."""
-
-    outcomes: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def total(self) -> int:
-        return sum(self.outcomes.values())
-
-    def add(self, outcome: str) -> None:
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-
-    def __str__(self) -> str:
-        details = ", ".join(f"{count} {name}" for name, count in sorted(self.outcomes.items()))
-        return f"{self.total} task(s)" + (f" ({details})" if details else "")
-
-
-@dataclass(frozen=True)
-class _WorkerOptions:
-    queue: str
-    worker_id: str | None
-    lease_seconds: float | None
-    poll_interval: float
-    max_tasks: int | None
-    burst: bool
+        return load_handler(spec)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
 
 
 @main.command()
@@ -823,7 +559,7 @@ class _WorkerOptions:
 @click.pass_context
 def worker(
     ctx: click.Context,
-    handler: _Handler,
+    handler: Handler,
     queue_name: str,
     lease_seconds: float | None,
     poll_interval: float,
@@ -846,9 +582,8 @@ def worker(
     Example:
       leasequeue worker myapp.tasks:summarise --queue documents --burst
     """
-    options = _WorkerOptions(queue_name, worker_id, lease_seconds, poll_interval, max_tasks, burst)
     queue = _open_queue(ctx)
-    with _worker_logging(), _Shutdown() as shutdown:
+    with _worker_logging():
         logger.info(
             "worker %s on queue %r (schema %r at %s) runs %s",
             worker_id or queue.default_worker_id,
@@ -857,8 +592,17 @@ def worker(
             queue.location,
             handler.name,
         )
-        tally = _work(queue, handler, options, shutdown)
-        logger.info("worker stopped after %s", tally)
+        summary = run_worker(
+            queue,
+            handler,
+            queue_name=queue_name,
+            lease_seconds=lease_seconds,
+            poll_interval=poll_interval,
+            max_tasks=max_tasks,
+            burst=burst,
+            worker_id=worker_id,
+        )
+        logger.info("worker stopped after %s", summary)
 
 
 @contextmanager
@@ -876,94 +620,6 @@ def _worker_logging() -> Iterator[None]:
         # Removed again: an in-process caller (a test, say) keeps its logging as it was.
         package_logger.removeHandler(handler)
         package_logger.setLevel(level)
-
-
-def _work(
-    queue: LeaseQueue, handler: _Handler, options: _WorkerOptions, shutdown: _Shutdown
-) -> _Tally:
-    """Claim and process tasks until stopped, out of tasks (--burst) or at --max-tasks."""
-    tally = _Tally()
-    waiting = False
-    while not shutdown.requested.is_set():
-        if options.max_tasks is not None and tally.total >= options.max_tasks:
-            break
-        try:
-            lease = queue.claim(
-                queue=options.queue,
-                worker_id=options.worker_id,
-                lease_seconds=options.lease_seconds,
-            )
-        except DatabaseUnavailable as exc:
-            # The database may be restarting: keep polling rather than exit.
-            logger.warning("cannot claim: %s", exc)
-            shutdown.wait(options.poll_interval)
-            continue
-        if lease is None:
-            if options.burst:
-                logger.info("no task is due: stopping (--burst)")
-                break
-            if not waiting:
-                logger.info("waiting for tasks")
-            waiting = True
-            shutdown.wait(options.poll_interval)
-            continue
-        waiting = False
-        if shutdown.requested.is_set():
-            # The stop came while this claim was on its way: hand the task straight back,
-            # without using up one of its attempts.
-            lease.release()
-            logger.info(
-                "task %s released for another worker: the worker is stopping", lease.task_id
-            )
-            tally.add("released")
-            break
-        tally.add(_process(lease, handler, shutdown))
-    return tally
-
-
-def _process(lease: Lease, handler: _Handler, shutdown: _Shutdown) -> str:
-    """Run the handler on one claimed task inside ``with lease:``; return the outcome."""
-    logger.info(
-        "task %s started (attempt %s of %s)", lease.task_id, lease.attempt, lease.max_attempts
-    )
-    started = time.monotonic()
-    try:
-        # `with lease` renews in the background and fails the task if the block raises.
-        with lease:
-            lease.ack(_run_interruptibly(lease, handler, shutdown))
-    except _Aborted:
-        logger.warning("task %s released for another worker", lease.task_id)
-        return "released"
-    except LeaseLost as exc:
-        logger.warning("task %s: %s", lease.task_id, exc)
-        return "lost"
-    except Exception as exc:
-        ending = "now dead" if lease.attempt >= lease.max_attempts else "will be retried"
-        logger.error(
-            "task %s failed (attempt %s of %s, %s): %s: %s",
-            lease.task_id,
-            lease.attempt,
-            lease.max_attempts,
-            ending,
-            type(exc).__name__,
-            exc,
-            exc_info=not isinstance(exc, LeaseQueueError),
-        )
-        return "failed"
-    logger.info("task %s done in %.2f s", lease.task_id, time.monotonic() - started)
-    return "done"
-
-
-def _run_interruptibly(
-    lease: Lease, handler: _Handler, shutdown: _Shutdown
-) -> dict[str, Any] | None:
-    try:
-        return shutdown.run_handler(handler, lease)
-    except _Aborted:
-        # Nothing is wrong with the task: it is due again at once, and this claim does not
-        # count against its attempts (a fail would, and would kill it on its last one).
-        lease.release()
-        raise
 
 
 # -- the embedded server -------------------------------------------------------------------

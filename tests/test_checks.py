@@ -8,13 +8,9 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from dagster_leasequeue import (
-    LeaseQueue,
-    LeaseQueueResource,
-    checks as checks_module,
-    queue_asset_specs,
-)
-from dagster_leasequeue.checks import build_queue_asset_checks
+from dagster_leasequeue import LeaseQueue, LeaseQueueResource, queue_asset_specs
+from dagster_leasequeue.dagster import checks as checks_module
+from dagster_leasequeue.dagster.checks import build_queue_asset_checks
 
 from .helpers import run_sql
 

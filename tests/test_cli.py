@@ -21,7 +21,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from dagster_leasequeue import LeaseQueue
-from dagster_leasequeue.cli import main, parse_duration
+from dagster_leasequeue.cli import main
+from dagster_leasequeue.cli_format import parse_duration
 
 from .helpers import expire, run_sql
 

@@ -16,7 +16,7 @@ from dagster._core.definitions.sensor_definition import SensorExecutionData
 from dagster._core.test_utils import freeze_time
 
 from dagster_leasequeue import LeaseQueue, LeaseQueueResource, build_sweeper_sensor
-from dagster_leasequeue.sensors import _read_cursor
+from dagster_leasequeue.dagster.sensors import _read_cursor
 from example_repo.definitions import defs, process_documents
 from example_repo.ticks import run_sensor_tick
 
@@ -360,10 +360,39 @@ def test_a_missing_dsn_variable_is_named(
         unset.execute_in_process(instance=instance)
 
 
-def test_importing_the_package_does_not_import_dagster() -> None:
-    code = "import sys, dagster_leasequeue; print('dagster' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import dagster_leasequeue",
+        "import dagster_leasequeue.cli",
+        "from dagster_leasequeue import LeaseQueue",
+    ],
+)
+def test_importing_the_package_does_not_import_dagster(statement: str) -> None:
+    # A fresh interpreter: this one imported Dagster long ago.
+    code = (
+        f"{statement}\n"
+        "import sys\n"
+        "print(sorted(name for name in sys.modules if name == 'dagster'"
+        " or name.startswith(('dagster.', 'dagster_leasequeue.dagster'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_top_level_dagster_names_are_those_of_the_dagster_subpackage() -> None:
+    import dagster_leasequeue
+    import dagster_leasequeue.dagster
+
+    exported = set(dagster_leasequeue._DAGSTER_EXPORTS)
+    assert exported == set(dagster_leasequeue.dagster.__all__)
+    assert exported <= set(dagster_leasequeue.__all__)
+    for name in exported:
+        assert getattr(dagster_leasequeue, name) is getattr(dagster_leasequeue.dagster, name)
+    # The subpackage imports the Dagster library, not itself, under the name "dagster".
+    assert dagster_leasequeue.dagster.resource.dg is dg
 
 
 def test_a_run_tagged_with_a_queue_works_that_queue(

@@ -21,7 +21,8 @@ from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
 from dagster._daemon.sensor import execute_sensor_iteration
 
 from dagster_leasequeue import LeaseQueue, LeaseQueueResource
-from dagster_leasequeue.launcher import LAUNCHER_TAG, QUEUE_TAG, build_worker_launcher_sensor
+from dagster_leasequeue.dagster.keys import LAUNCHER_TAG, QUEUE_TAG
+from dagster_leasequeue.dagster.launcher import build_worker_launcher_sensor
 
 from .helpers import run_sql
 

@@ -322,7 +322,9 @@ def test_a_lease_that_cannot_be_renewed_lapses(queue: LeaseQueue) -> None:
     queue.enqueue({"n": 1})
     lease = claim_one(queue, lease_seconds=0.6)
     # The database becomes unreachable for renewals only.
-    queue._driver._renewals = SharedConnection("postgresql://127.0.0.1:1/none", {"connect_timeout": 2})
+    queue._driver._renewals = SharedConnection(
+        "postgresql://127.0.0.1:1/none", {"connect_timeout": 2}
+    )
     with pytest.raises(LeaseLost), lease:
         deadline = time.monotonic() + 10
         while not lease.lost and time.monotonic() < deadline:

@@ -5,15 +5,13 @@
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 
 import dagster as dg
 
-from . import sql
-from .models import QueueStats, TaskInfo
-from .queue import LeaseQueue
+from ..models import QueueStats, TaskInfo
+from ..queue import LeaseQueue
+from .keys import queue_asset_key, refuse_shared_keys
 from .resource import LeaseQueueResource
-from .sensors import _refuse_shared_keys, queue_asset_key
 
 NO_STUCK_LEASES = "no_stuck_leases"
 DEAD_TASKS_WITHIN_LIMIT = "dead_tasks_within_limit"
@@ -104,7 +102,7 @@ def build_queue_asset_checks(
     prefix = tuple(asset_key_prefix)
     return [
         _queue_checks(queue, resource_key, prefix, thresholds)
-        for queue in _refuse_shared_keys(queues, prefix)
+        for queue in refuse_shared_keys(queues, prefix)
     ]
 
 
@@ -172,14 +170,6 @@ def _queue_checks(
     return _checks
 
 
-def _database_now(queue: LeaseQueue) -> datetime:
-    with queue.connection() as conn:
-        row = conn.execute(sql.DATABASE_NOW).fetchone()
-    assert row is not None
-    now: datetime = row[0]
-    return now
-
-
 def _tasks(queue: LeaseQueue, name: str, status: str) -> Iterator[TaskInfo]:
     after_id = 0
     while True:
@@ -193,7 +183,7 @@ def _tasks(queue: LeaseQueue, name: str, status: str) -> Iterator[TaskInfo]:
 def _no_stuck_leases(
     queue: LeaseQueue, name: str, asset_key: dg.AssetKey, limits: _Thresholds
 ) -> dg.AssetCheckResult:
-    now = _database_now(queue)
+    now = queue.database_now()
     processing = expired = 0
     stuck: list[tuple[float, TaskInfo]] = []
     for task in _tasks(queue, name, "processing"):
@@ -296,7 +286,7 @@ def _oldest_waiting(
     }
     if not passed:
         # Named from a sample: the waiting tasks with the lowest ids, as a rule the oldest.
-        now = _database_now(queue)
+        now = queue.database_now()
         sample = queue.list_tasks(status="enqueued", queue=name, limit=_WAITING_SAMPLE)
         waits = [((now - task.run_at).total_seconds(), task.task_id) for task in sample]
         overdue = sorted(

@@ -7,12 +7,10 @@ import math
 
 import dagster as dg
 
-from .resource import QUEUE_TAG, LeaseQueueResource
+from .keys import LAUNCH_TAG, LAUNCHER_TAG, QUEUE_TAG
+from .resource import LeaseQueueResource
 
 logger = logging.getLogger("dagster_leasequeue")
-
-LAUNCHER_TAG = "leasequeue/launcher"
-LAUNCH_TAG = "leasequeue/launch"
 
 # A run in one of these statuses holds (or will hold) a slot: it may claim tasks.
 IN_PROGRESS_STATUSES = (

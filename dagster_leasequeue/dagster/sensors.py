@@ -1,55 +1,19 @@
-"""The sweeper sensor: recovers expired leases on every tick and reports them to Dagster."""
+"""The sweeper sensor, which recovers expired leases on every tick and reports them to
+Dagster, and the specs of the queue assets it reports on."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import re
 from collections.abc import Sequence
 
 import dagster as dg
 
-from .models import LIVE, QueueStats, RecoveryEvent
+from ..models import LIVE, QueueStats, RecoveryEvent
+from .keys import RECOVERED_THROUGH_EVENT_TAG, queue_asset_key, refuse_shared_keys
 from .resource import LeaseQueueResource
 
 logger = logging.getLogger("dagster_leasequeue")
-
-_ASSET_KEY_PART = re.compile(r"[A-Za-z0-9_]+")
-_REPLACED = re.compile(r"[^A-Za-z0-9_]")
-
-
-def queue_asset_key(queue: str, asset_key_prefix: Sequence[str] = ("leasequeue",)) -> dg.AssetKey:
-    """The asset key under which a queue's observations are reported.
-
-    The key is the prefix followed by the queue's name, when the name is made of letters,
-    digits and underscores only (``documents`` → ``leasequeue/documents``). Any other name
-    has each other character replaced by ``_`` and the first 8 hex digits of the SHA-1 of
-    the name (UTF-8) appended, so that queues such as ``a-b`` and ``a_b`` keep distinct
-    keys: ``a-b`` → ``leasequeue/a_b_34fafddd``. The key is the same in every process.
-    """
-    return dg.AssetKey([*asset_key_prefix, _asset_key_part(queue)])
-
-
-def _asset_key_part(queue: str) -> str:
-    if _ASSET_KEY_PART.fullmatch(queue):
-        return queue
-    digest = hashlib.sha1(queue.encode("utf-8", "surrogatepass"), usedforsecurity=False)
-    return f"{_REPLACED.sub('_', queue)}_{digest.hexdigest()[:8]}"
-
-
-def _refuse_shared_keys(queues: Sequence[str], prefix: Sequence[str]) -> list[str]:
-    """The queues, each once, in order; a ``ValueError`` if two of them have one asset key."""
-    named: dict[dg.AssetKey, str] = {}
-    for queue in dict.fromkeys(queues):
-        key = queue_asset_key(queue, prefix)
-        if key in named:
-            raise ValueError(
-                f"queues {named[key]!r} and {queue!r} have the same asset key "
-                f"{key.to_user_string()!r}; rename one of them"
-            )
-        named[key] = queue
-    return list(named.values())
 
 
 def queue_asset_specs(
@@ -83,7 +47,7 @@ def queue_asset_specs(
             kinds={"postgres"},
             metadata={"queue": queue},
         )
-        for queue in _refuse_shared_keys(queues, asset_key_prefix)
+        for queue in refuse_shared_keys(queues, asset_key_prefix)
     ]
 
 
@@ -158,7 +122,7 @@ def build_sweeper_sensor(
         if job is not None and requeued_waiting:
             run_request = dg.RunRequest(
                 run_key=f"{name}-recovered-{last_event}",
-                tags={"leasequeue/recovered_through_event": str(last_event)},
+                tags={RECOVERED_THROUGH_EVENT_TAG: str(last_event)},
             )
             return dg.SensorResult(
                 run_requests=[run_request], asset_events=observations, cursor=cursor

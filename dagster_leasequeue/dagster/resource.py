@@ -13,15 +13,13 @@ import dagster as dg
 from dagster._core.libraries import DagsterLibraryRegistry
 from pydantic import Field, PrivateAttr
 
-from .attempts import Attempt
-from .lease import Lease
-from .models import QueueStats, RecoveredTask, RecoveryEvent, TaskInfo
-from .queue import LeaseQueue
-from .settings import LeaseQueueSettings
-from .version import __version__
-
-# Set on runs that should work one queue; the worker launcher sensor sets it.
-QUEUE_TAG = "leasequeue/queue"
+from ..attempts import Attempt
+from ..lease import Lease
+from ..models import QueueStats, RecoveredTask, RecoveryEvent, TaskInfo
+from ..queue import LeaseQueue
+from ..settings import LeaseQueueSettings
+from ..version import __version__
+from .keys import QUEUE_TAG
 
 DagsterLibraryRegistry.register("dagster-leasequeue", __version__, is_dagster_package=False)
 
