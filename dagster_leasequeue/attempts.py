@@ -32,7 +32,7 @@ from .errors import (
 )
 from .lease import Lease
 
-logger = logging.getLogger("dagster_leasequeue")
+logger = logging.getLogger(__name__)
 
 _IDLE = pq.TransactionStatus.IDLE
 
@@ -90,7 +90,7 @@ class AttemptTarget:
 
     @property
     def identity(self) -> str:
-        """The target as one text, injective (see sql._ATTEMPT_IDENTITY, which matches it)."""
+        """The target as one text, injective (migration 5 computes the same in SQL)."""
         if self.key is None:
             return f"task:{self.task_id}"
         if self.queue is None:

@@ -40,11 +40,13 @@ from dagster_leasequeue.cli_format import (
     when,
 )
 from dagster_leasequeue.embedded import server_status, start_server, stop_server
-from dagster_leasequeue.limits import MAX_LEASE_SECONDS
 from dagster_leasequeue.models import FINISHED, STATUSES
 from dagster_leasequeue.payloads import encode_object
+from dagster_leasequeue.validation import MAX_ATTEMPTS, MAX_LEASE_SECONDS
 from dagster_leasequeue.worker import Handler, load_handler, run_worker
 
+# Named, not __name__: run as `python -m dagster_leasequeue.cli` this module is __main__,
+# whose logger would not reach the package's handler.
 logger = logging.getLogger("dagster_leasequeue.cli")
 
 # enqueue --file sends this many payloads per enqueue_many statement.
@@ -154,7 +156,7 @@ def install(ctx: click.Context) -> None:
 @click.option("--delay", type=DURATION, help="Hold the task back this long (30s, 15m, 2h).")
 @click.option("--idempotency-key", help="Enqueue nothing if an unfinished task has this key.")
 @click.option(
-    "--max-attempts", type=click.IntRange(1, 10_000), help="Claims before the task is dead."
+    "--max-attempts", type=click.IntRange(1, MAX_ATTEMPTS), help="Claims before the task is dead."
 )
 @click.pass_context
 def enqueue(

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from .errors import ConfigurationError
+
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"(?:\d+(?:\.\d+)?[smhd])+|\d+(?:\.\d+)?")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
@@ -23,7 +25,7 @@ def parse_duration(text: str) -> float:
     """
     compact = text.strip().lower().replace(" ", "")
     if not _DURATION.fullmatch(compact):
-        raise ValueError(
+        raise ConfigurationError(
             f"{text!r} is not a duration: use a number and a unit (s, m, h or d), "
             "for example 30s, 15m, 12h, 7d or 1h30m"
         )

@@ -25,7 +25,7 @@ from .errors import DatabaseUnavailable, LeaseQueueError, TransactionAbandoned
 from .payloads import JsonbLoader
 from .schema import not_installed
 
-logger = logging.getLogger("dagster_leasequeue")
+logger = logging.getLogger(__name__)
 
 
 def connection_options(*, connect_timeout: float, prepared_statements: bool) -> dict[str, Any]:

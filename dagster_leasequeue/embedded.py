@@ -26,7 +26,7 @@ from typing import Any
 
 from .errors import DatabaseUnavailable
 
-logger = logging.getLogger("dagster_leasequeue")
+logger = logging.getLogger(__name__)
 
 # Left in the data directory by start_server: the server outlives the processes using it.
 KEEP_RUNNING_MARKER = ".leasequeue-keep-running"

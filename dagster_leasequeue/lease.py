@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from . import sql
 from .connection import Executor
 from .errors import LeaseLost, LeaseQueueError, describe_error
-from .limits import MAX_LEASE_SECONDS, check_seconds
+from .validation import MAX_LEASE_SECONDS, check_seconds
 
 if TYPE_CHECKING:
     from .driver import QueueDriver
 
-logger = logging.getLogger("dagster_leasequeue")
+logger = logging.getLogger(__name__)
 
 # Renew when about a third of the lease has passed: two renewals can fail before it lapses.
 RENEW_FRACTION = 1 / 3

@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any
 
 import psycopg
+from psycopg.rows import class_row
 
 from . import schema as schema_module, sql
 from .attempts import Attempt, AttemptTarget, attempt_target, run_attempt
@@ -25,7 +26,6 @@ from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TaskNotFound
 from .lease import Lease
-from .limits import MAX_LEASE_SECONDS, check_count, check_seconds
 from .models import (
     FINISHED,
     LIVE,
@@ -38,12 +38,22 @@ from .models import (
 )
 from .notify import Listener
 from .payloads import encode_object
-from .settings import LeaseQueueSettings, validate_schema_name
+from .settings import LeaseQueueSettings
 from .sweeper import sweep_expired
+from .validation import (
+    MAX_ATTEMPTS,
+    check_count,
+    check_key,
+    check_lease_seconds,
+    check_priority,
+    check_queue,
+    check_run_at,
+    check_seconds,
+    validate_schema_name,
+)
 
-logger = logging.getLogger("dagster_leasequeue")
+logger = logging.getLogger(__name__)
 
-_POSTGRES_INT_MAX = 2**31 - 1
 # An idempotent enqueue can race with the task it collides with finishing; a retry settles it.
 _ENQUEUE_RETRIES = 5
 _POLL_SECONDS = 1.0
@@ -177,15 +187,15 @@ class LeaseQueue:
         :meth:`attempt` to make the work itself happen once.
         """
         params = {
-            "queue": _check_queue(queue),
-            "priority": _check_priority(priority),
+            "queue": check_queue(queue),
+            "priority": check_priority(priority),
             "payload": encode_object(
                 payload, what="payload", max_bytes=self.settings.payload_max_bytes
             ),
-            "idempotency_key": _check_key(idempotency_key),
+            "idempotency_key": check_key(idempotency_key),
             "max_attempts": self._max_attempts(max_attempts),
-            "lease_seconds": _check_lease_seconds(lease_seconds),
-            "run_at": _check_run_at(run_at, delay),
+            "lease_seconds": check_lease_seconds(lease_seconds),
+            "run_at": check_run_at(run_at, delay),
             "delay": None if delay is None else check_seconds("delay", delay, allow_zero=True),
         } | self._notify
         with self._driver.statements() as conn:
@@ -221,8 +231,8 @@ class LeaseQueue:
         if not encoded:
             return []
         params = {
-            "queue": _check_queue(queue),
-            "priority": _check_priority(priority),
+            "queue": check_queue(queue),
+            "priority": check_priority(priority),
             "max_attempts": self._max_attempts(max_attempts),
             "payloads": encoded,
         } | self._notify
@@ -266,12 +276,12 @@ class LeaseQueue:
         """
         check_count("limit", limit)
         check_seconds("wait", wait, allow_zero=True)
-        queue = _check_queue(queue)
+        queue = check_queue(queue)
         worker = worker_id or self.default_worker_id
         params = {
             "queue": queue,
             "worker_id": worker,
-            "lease_seconds": _check_lease_seconds(lease_seconds),
+            "lease_seconds": check_lease_seconds(lease_seconds),
             "default_lease": self.settings.lease_seconds,
         }
         statement = sql.compose_claim(self.schema, limit)
@@ -340,22 +350,23 @@ class LeaseQueue:
             "limit": check_count("limit", limit),
         }
         with self._driver.connection() as conn:
-            rows = conn.execute(
+            cursor = conn.cursor(row_factory=class_row(RecoveryEvent))
+            return cursor.execute(
                 self._driver.statement(sql.RECOVERY_EVENTS_AFTER), params
             ).fetchall()
-        return [RecoveryEvent(*row) for row in rows]
 
     # -- inspecting and steering -----------------------------------------------------------
 
     def get(self, task_id: int) -> TaskInfo:
         """The task with this id; raise TaskNotFound if there is none."""
         with self._driver.connection() as conn:
-            row = conn.execute(
+            cursor = conn.cursor(row_factory=class_row(TaskInfo))
+            task = cursor.execute(
                 self._driver.statement(sql.GET_TASK), {"task_id": task_id}
             ).fetchone()
-        if row is None:
+        if task is None:
             raise TaskNotFound(f"no task with id {task_id} in schema {self.schema!r}")
-        return TaskInfo(*row)
+        return task
 
     def list_tasks(
         self,
@@ -375,8 +386,8 @@ class LeaseQueue:
             "limit": check_count("limit", limit),
         }
         with self._driver.connection() as conn:
-            rows = conn.execute(self._driver.statement(sql.LIST_TASKS), params).fetchall()
-        return [TaskInfo(*row) for row in rows]
+            cursor = conn.cursor(row_factory=class_row(TaskInfo))
+            return cursor.execute(self._driver.statement(sql.LIST_TASKS), params).fetchall()
 
     def stats(self, queue: str | None = None, *, finished: bool = True) -> QueueStats:
         """Counts per status (every status, zeros included) for one queue or all of them.
@@ -626,11 +637,11 @@ class LeaseQueue:
             elif key is None:
                 raise ConfigurationError("attempts() needs a key or a task_id")
             else:
-                target = AttemptTarget(queue=queue, key=_check_key(key), task_id=None)
-            rows = conn.execute(
+                target = AttemptTarget(queue=queue, key=check_key(key), task_id=None)
+            cursor = conn.cursor(row_factory=class_row(AttemptRecord))
+            return cursor.execute(
                 self._driver.statement(sql.ATTEMPTS_FOR_IDENTITY), {"identity": target.identity}
             ).fetchall()
-        return [AttemptRecord(*row) for row in rows]
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -653,48 +664,4 @@ class LeaseQueue:
     def _max_attempts(self, value: int | None) -> int:
         if value is None:
             return self.settings.max_attempts
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 10_000:
-            raise ConfigurationError(f"max_attempts must be from 1 to 10000, got {value!r}")
-        return value
-
-
-def _check_queue(queue: str) -> str:
-    if not isinstance(queue, str) or not queue.strip() or len(queue) > 200:
-        raise ConfigurationError(
-            f"queue must be a non-empty name of up to 200 characters, got {queue!r}"
-        )
-    return queue
-
-
-def _check_priority(priority: int) -> int:
-    if (
-        not isinstance(priority, int)
-        or isinstance(priority, bool)
-        or abs(priority) > _POSTGRES_INT_MAX
-    ):
-        raise ConfigurationError(f"priority must be a whole number within ±2**31, got {priority!r}")
-    return priority
-
-
-def _check_key(key: str | None) -> str | None:
-    if key is not None and (not isinstance(key, str) or not key or "\x00" in key):
-        raise ConfigurationError(f"idempotency_key must be a non-empty string, got {key!r}")
-    return key
-
-
-def _check_lease_seconds(value: float | None) -> float | None:
-    if value is None:
-        return None
-    return check_seconds("lease_seconds", value, maximum=MAX_LEASE_SECONDS)
-
-
-def _check_run_at(run_at: datetime | None, delay: float | None) -> datetime | None:
-    if run_at is None:
-        return None
-    if delay is not None:
-        raise ConfigurationError("give run_at or delay, not both")
-    if not isinstance(run_at, datetime) or run_at.tzinfo is None:
-        raise ConfigurationError(
-            "run_at must be a timezone-aware datetime, for example datetime.now(timezone.utc)"
-        )
-    return run_at
+        return check_count("max_attempts", value, maximum=MAX_ATTEMPTS)

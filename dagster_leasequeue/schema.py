@@ -6,7 +6,7 @@ from typing import Any
 
 import psycopg
 
-from . import sql
+from . import migrations, sql
 from .errors import ConfigurationError, SchemaNotInstalled
 
 
@@ -29,7 +29,7 @@ def install(conn: psycopg.Connection[Any], schema: str) -> int:
     """
     current = installed_version(conn, schema)
     _refuse_newer(current, schema)
-    if current == sql.LATEST_VERSION:
+    if current == migrations.LATEST_VERSION:
         return 0
     applied = 0
     with conn.transaction():
@@ -39,7 +39,7 @@ def install(conn: psycopg.Connection[Any], schema: str) -> int:
         row = conn.execute(sql.compose(sql.CURRENT_VERSION, schema)).fetchone()
         current = int(row[0]) if row else 0
         _refuse_newer(current, schema)
-        for migration in sql.MIGRATIONS:
+        for migration in migrations.MIGRATIONS:
             if migration.version <= current:
                 continue
             for statement in migration.statements:
@@ -56,7 +56,7 @@ def require_installed(conn: psycopg.Connection[Any], schema: str) -> None:
     """Raise SchemaNotInstalled unless the schema is at the version this release expects."""
     current = installed_version(conn, schema)
     _refuse_newer(current, schema)
-    if current < sql.LATEST_VERSION:
+    if current < migrations.LATEST_VERSION:
         raise not_installed(schema, current)
 
 
@@ -64,13 +64,13 @@ def not_installed(schema: str, current: int = 0) -> SchemaNotInstalled:
     state = "is not installed" if current == 0 else f"is at version {current}"
     return SchemaNotInstalled(
         f"queue schema {schema!r} {state} in this database (this release needs version "
-        f"{sql.LATEST_VERSION}): call LeaseQueue.install() first"
+        f"{migrations.LATEST_VERSION}): call LeaseQueue.install() first"
     )
 
 
 def _refuse_newer(current: int, schema: str) -> None:
-    if current > sql.LATEST_VERSION:
+    if current > migrations.LATEST_VERSION:
         raise ConfigurationError(
             f"queue schema {schema!r} is at version {current}, newer than this release of "
-            f"dagster-leasequeue knows ({sql.LATEST_VERSION}): upgrade dagster-leasequeue"
+            f"dagster-leasequeue knows ({migrations.LATEST_VERSION}): upgrade dagster-leasequeue"
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -11,25 +10,14 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ConfigurationError
-from .limits import MAX_DELAY_SECONDS, MAX_LEASE_SECONDS
+from .validation import MAX_ATTEMPTS, MAX_DELAY_SECONDS, MAX_LEASE_SECONDS, validate_schema_name
 
 ENV_PREFIX = "LEASEQUEUE_"
-SCHEMA_NAME_PATTERN = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
 def default_data_dir() -> Path:
     """Where the embedded PostgreSQL keeps its data when ``LEASEQUEUE_DATA_DIR`` is unset."""
     return platformdirs.user_data_path("dagster-leasequeue") / "pgdata"
-
-
-def validate_schema_name(name: str) -> str:
-    """Return ``name`` if it is a safe PostgreSQL schema name, else raise ConfigurationError."""
-    if not isinstance(name, str) or not SCHEMA_NAME_PATTERN.match(name):
-        raise ConfigurationError(
-            f"schema name {name!r} is not allowed: use 1 to 63 lowercase ASCII letters, "
-            "digits or underscores, starting with a letter or underscore (for example 'leasequeue')"
-        )
-    return name
 
 
 class LeaseQueueSettings(BaseSettings):
@@ -68,7 +56,10 @@ class LeaseQueueSettings(BaseSettings):
         description="Default lease of a claim, in seconds (at most a week).",
     )
     max_attempts: int = Field(
-        default=5, ge=1, le=10_000, description="Default number of claims before a task is dead."
+        default=5,
+        ge=1,
+        le=MAX_ATTEMPTS,
+        description="Default number of claims before a task is dead.",
     )
     data_dir: Path = Field(
         default_factory=default_data_dir,

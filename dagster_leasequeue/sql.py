@@ -6,21 +6,12 @@ database's clock at the moment of the statement, never the client's and never th
 of a transaction (``now()``), so a claim made late in a long transaction still gets its
 full lease.
 
-Migrations are numbered; :mod:`dagster_leasequeue.schema` applies the ones a database
-lacks. Never edit a released migration: append a new one.
-
-Upgrades must not stop a running queue. From migration 5 on, a migration that builds an
-index on ``tasks`` does it with ``CREATE INDEX CONCURRENTLY``, outside the migration's
-transaction (it cannot run inside one): a plain ``CREATE INDEX`` takes a lock that blocks
-every claim, ack and enqueue until the whole table is read. Such a statement must also be
-safe to run again (``IF NOT EXISTS``, and a check for an invalid index left by an
-interrupted build), since its effect is not rolled back with the version record.
+The schema's migrations live apart, in :mod:`dagster_leasequeue.migrations`.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
 
 from psycopg import sql
 
@@ -29,207 +20,6 @@ from psycopg import sql
 INSTALL_LOCK = 0x6C7101
 SWEEP_LOCK = 0x6C7102
 
-
-class Migration(NamedTuple):
-    version: int
-    description: str
-    statements: tuple[str, ...]
-
-
-# What an attempt is an attempt at, as one text: a task without idempotency key is its own
-# work ("task:" + id); a key the caller chose is its own space ("key:" + key); else the
-# task's queue and idempotency key ("queue:" + the queue's length + ":" + queue + ":" +
-# key). The prefixes
-# and the length make it injective: no key a caller chooses reaches another's space.
-# dagster_leasequeue.attempts.attempt_identity computes the same text in Python.
-_ATTEMPT_IDENTITY = """
-    CASE WHEN key IS NULL THEN 'task:' || task_id
-         WHEN queue IS NULL THEN 'key:' || key
-         ELSE 'queue:' || length(queue) || ':' || queue || ':' || key END
-"""
-
-MIGRATIONS: tuple[Migration, ...] = (
-    Migration(
-        1,
-        "tasks, recovery events and attempts",
-        (
-            # fillfactor leaves room on each page so the hot updates (claim, renew, ack)
-            # can stay on the same page.
-            """
-            CREATE TABLE {schema}.tasks (
-                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                queue text NOT NULL,
-                status text NOT NULL DEFAULT 'enqueued'
-                    CHECK (status IN ('enqueued', 'processing', 'done', 'dead', 'cancelled')),
-                priority integer NOT NULL DEFAULT 0,
-                payload jsonb NOT NULL,
-                result jsonb,
-                idempotency_key text,
-                attempts integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
-                max_attempts integer NOT NULL CHECK (max_attempts >= 1),
-                lease_seconds double precision CHECK (lease_seconds > 0),
-                run_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-                lease_token bigint,
-                lease_expires_at timestamptz,
-                worker_id text,
-                last_error text,
-                created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-                updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-                finished_at timestamptz
-            ) WITH (fillfactor = 80)
-            """,
-            # The claim path: only waiting rows, in the claim's ORDER BY.
-            """
-            CREATE INDEX tasks_claim_idx ON {schema}.tasks (queue, priority DESC, run_at, id)
-                WHERE status = 'enqueued'
-            """,
-            # The sweep path: only rows under lease, however many finished rows pile up.
-            # lease_expires_at is deliberately not indexed so that renewals stay HOT updates.
-            """
-            CREATE INDEX tasks_processing_idx ON {schema}.tasks (id)
-                WHERE status = 'processing'
-            """,
-            """
-            CREATE UNIQUE INDEX tasks_idempotency_idx ON {schema}.tasks (queue, idempotency_key)
-                WHERE idempotency_key IS NOT NULL AND status IN ('enqueued', 'processing')
-            """,
-            # Fencing tokens: one new value per claim, increasing, never reused.
-            "CREATE SEQUENCE {schema}.lease_tokens AS bigint",
-            """
-            CREATE TABLE {schema}.recovery_events (
-                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                task_id bigint NOT NULL,
-                queue text NOT NULL,
-                action text NOT NULL CHECK (action IN ('requeued', 'dead')),
-                attempt integer NOT NULL,
-                worker_id text,
-                lease_expires_at timestamptz NOT NULL,
-                recovered_at timestamptz NOT NULL DEFAULT clock_timestamp()
-            )
-            """,
-            """
-            CREATE TABLE {schema}.attempts (
-                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                key text NOT NULL,
-                attempt integer NOT NULL,
-                task_id bigint,
-                worker_id text,
-                outcome text NOT NULL
-                    CHECK (outcome IN ('running', 'succeeded', 'failed', 'skipped', 'abandoned')),
-                error text,
-                result jsonb,
-                started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-                finished_at timestamptz
-            )
-            """,
-            "CREATE INDEX attempts_key_idx ON {schema}.attempts (key)",
-            # At most one success per key: two attempts of a key may run at once.
-            """
-            CREATE UNIQUE INDEX attempts_success_idx ON {schema}.attempts (key)
-                WHERE outcome = 'succeeded'
-            """,
-        ),
-    ),
-    Migration(
-        2,
-        "autovacuum tuned for a high-churn queue table",
-        (
-            # Every claim and ack leaves a dead tuple; vacuum after 2% of the table changed
-            # instead of the default 20%, so a busy queue stays small and its indexes lean.
-            """
-            ALTER TABLE {schema}.tasks SET (
-                autovacuum_vacuum_scale_factor = 0.02,
-                autovacuum_analyze_scale_factor = 0.05,
-                autovacuum_vacuum_insert_scale_factor = 0.05
-            )
-            """,
-        ),
-    ),
-    Migration(
-        3,
-        "dead tasks indexed, so live counts never read finished rows",
-        (
-            # Small (dead tasks are few) and written only when a task dies or is retried.
-            """
-            CREATE INDEX tasks_dead_idx ON {schema}.tasks (queue)
-                WHERE status = 'dead'
-            """,
-        ),
-    ),
-    Migration(
-        4,
-        "an attempt's success mark and fenced ack as one function",
-        (
-            # Called in the same round trip as the attempt's COMMIT (see CONCLUDE_ATTEMPT):
-            # raising when the fence fails is what keeps that COMMIT from running. Its
-            # statements are the attempt's success mark (its own row, by id) and the fenced
-            # ACK, as they stood at this version.
-            """
-            CREATE FUNCTION {schema}.conclude_attempt(
-                p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
-            ) RETURNS void LANGUAGE plpgsql AS $$
-            BEGIN
-                IF p_attempt_id IS NOT NULL THEN
-                    UPDATE {schema}.attempts
-                    SET outcome = 'succeeded', result = p_result,
-                        finished_at = clock_timestamp()
-                    WHERE id = p_attempt_id;
-                END IF;
-                IF p_task_id IS NOT NULL THEN
-                    UPDATE {schema}.tasks
-                    SET status = 'done', result = p_result, lease_expires_at = NULL,
-                        finished_at = clock_timestamp(), updated_at = clock_timestamp()
-                    WHERE id = p_task_id AND lease_token = p_token
-                        AND status = 'processing';
-                    IF NOT FOUND THEN
-                        RAISE EXCEPTION 'the lease on task % under token % is gone',
-                            p_task_id, p_token
-                            USING ERRCODE = 'LQ001';
-                    END IF;
-                END IF;
-            END
-            $$
-            """,
-        ),
-    ),
-    Migration(
-        5,
-        "attempts identified by queue and idempotency key, or by the task itself",
-        (
-            # queue NULL: a key the caller chose; key NULL: a task without idempotency key.
-            """
-            ALTER TABLE {schema}.attempts
-                ADD COLUMN queue text,
-                ADD COLUMN identity text,
-                ALTER COLUMN key DROP NOT NULL
-            """,
-            # Until now a leased attempt's key was the task's idempotency key, else
-            # "<queue>:<task id>", in one space with the keys callers chose. Records that
-            # name their task and carry its default key move to that task's space; the
-            # rest (a key chosen by the caller, or a task since purged) keep their key.
-            """
-            UPDATE {schema}.attempts AS a
-            SET queue = t.queue,
-                key = CASE WHEN a.key = t.idempotency_key THEN a.key END
-            FROM {schema}.tasks AS t
-            WHERE a.task_id = t.id
-              AND (a.key = t.idempotency_key
-                   OR (t.idempotency_key IS NULL AND a.key = t.queue || ':' || t.id))
-            """,
-            "UPDATE {schema}.attempts SET identity = " + _ATTEMPT_IDENTITY,
-            "ALTER TABLE {schema}.attempts ALTER COLUMN identity SET NOT NULL",
-            "DROP INDEX {schema}.attempts_success_idx",
-            "DROP INDEX {schema}.attempts_key_idx",
-            "CREATE INDEX attempts_identity_idx ON {schema}.attempts (identity)",
-            """
-            CREATE UNIQUE INDEX attempts_success_idx ON {schema}.attempts (identity)
-                WHERE outcome = 'succeeded'
-            """,
-        ),
-    ),
-)
-
-LATEST_VERSION = MIGRATIONS[-1].version
 
 # -- schema management -------------------------------------------------------------------
 
@@ -322,15 +112,18 @@ LISTEN = "LISTEN {channel}"
 # -- claiming and the lease -------------------------------------------------------------
 
 # The claim: the due rows of a queue, highest priority first, locked so that concurrent
-# claimers skip each other, then leased under a new fencing token.
-_CLAIM_PICK = """
-        SELECT id FROM {schema}.tasks
-        WHERE status = 'enqueued' AND queue = %(queue)s AND run_at <= clock_timestamp()
-        ORDER BY priority DESC, run_at, id
-        LIMIT {limit}
-        FOR UPDATE SKIP LOCKED
-"""
-_CLAIM_SET = """
+# claimers skip each other, then leased under a new fencing token. The two claims pick,
+# set and return the same (tests/unit/test_statements.py holds them to it).
+#
+# The limit is written into the statement (see compose_claim), not passed as a parameter:
+# with a parameter the planner cannot see it, so a prepared claim is planned again on every
+# call, and the generic plan it would settle on scans the whole table.
+#
+# One task: the scalar subquery runs once, as an InitPlan, so it locks one row; the plan
+# is cheaper than a join with a CTE. RETURNING gives what a Lease needs, in the order
+# queue.claim_many reads it.
+CLAIM_ONE = """
+    UPDATE {schema}.tasks AS t
     SET status = 'processing',
         attempts = t.attempts + 1,
         lease_token = nextval({lease_tokens}::regclass),
@@ -339,94 +132,87 @@ _CLAIM_SET = """
                 secs => coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)),
         worker_id = %(worker_id)s,
         updated_at = clock_timestamp()
-"""
-# What a Lease needs, in the order queue.claim_many reads it.
-_CLAIM_RETURNING = """
+    WHERE t.id = (
+        SELECT id FROM {schema}.tasks
+        WHERE status = 'enqueued' AND queue = %(queue)s AND run_at <= clock_timestamp()
+        ORDER BY priority DESC, run_at, id
+        LIMIT {limit}
+        FOR UPDATE SKIP LOCKED
+    )
     RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
               t.lease_expires_at, t.idempotency_key,
               coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)
 """
 
-# One task: the scalar subquery runs once, as an InitPlan, so it locks one row; the plan
-# is cheaper than a join with a CTE.
-CLAIM_ONE = (
-    "UPDATE {schema}.tasks AS t"
-    + _CLAIM_SET
-    + "WHERE t.id = ("
-    + _CLAIM_PICK
-    + ")"
-    + _CLAIM_RETURNING
-)
-
 # Many tasks: the rows are locked in a CTE with LIMIT, because "id IN (SELECT ... LIMIT n
 # FOR UPDATE SKIP LOCKED)" may be re-evaluated by the planner and claim more than n rows.
-# In both, the limit is written into the statement (see compose_claim), not passed as a
-# parameter: with a parameter the planner cannot see it, so a prepared claim is planned
-# again on every call, and the generic plan it would settle on scans the whole table.
-# run_at comes last: only the order of many rows needs it (RETURNING keeps none).
-CLAIM_MANY = (
-    "WITH picked AS ("
-    + _CLAIM_PICK
-    + ") UPDATE {schema}.tasks AS t"
-    + _CLAIM_SET
-    + "FROM picked WHERE t.id = picked.id"
-    + _CLAIM_RETURNING
-    + ", t.run_at"
-)
+# run_at comes last: only the order of many rows needs it (UPDATE ... RETURNING has none).
+CLAIM_MANY = """
+    WITH picked AS (
+        SELECT id FROM {schema}.tasks
+        WHERE status = 'enqueued' AND queue = %(queue)s AND run_at <= clock_timestamp()
+        ORDER BY priority DESC, run_at, id
+        LIMIT {limit}
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE {schema}.tasks AS t
+    SET status = 'processing',
+        attempts = t.attempts + 1,
+        lease_token = nextval({lease_tokens}::regclass),
+        lease_expires_at = clock_timestamp()
+            + make_interval(
+                secs => coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)),
+        worker_id = %(worker_id)s,
+        updated_at = clock_timestamp()
+    FROM picked WHERE t.id = picked.id
+    RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
+              t.lease_expires_at, t.idempotency_key,
+              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s), t.run_at
+"""
 
-# Fencing: every lease operation matches the token of this claim and the status it left.
-# ack and fail keep the token on the row (the sweeper and cancel clear it), so a holder
-# whose statement changed nothing can tell its own earlier conclusion from a lost lease.
-_FENCE = "id = %(task_id)s AND lease_token = %(token)s AND status = 'processing'"
+# Fencing: every lease operation matches the token of this claim and the status it left,
+# with the same condition (FENCE; tests/unit/test_statements.py checks each has it whole).
+# ack, fail and release keep the token on the row (the sweeper and cancel clear it), so a
+# holder whose statement changed nothing can tell its own earlier conclusion from a lost
+# lease.
+FENCE = "id = %(task_id)s AND lease_token = %(token)s AND status = 'processing'"
 
 # No RETURNING: the row count tells whether the fence matched.
-ACK = (
-    """
+ACK = """
     UPDATE {schema}.tasks
     SET status = 'done', result = %(result)s::jsonb, lease_expires_at = NULL,
         finished_at = clock_timestamp(), updated_at = clock_timestamp()
-    WHERE """
-    + _FENCE
-)
+    WHERE id = %(task_id)s AND lease_token = %(token)s AND status = 'processing'
+"""
 
-FAIL = (
-    """
+FAIL = """
     UPDATE {schema}.tasks
     SET status = CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'enqueued' END,
         run_at = clock_timestamp() + make_interval(secs => %(retry_in)s),
         last_error = %(error)s, lease_expires_at = NULL,
         finished_at = CASE WHEN attempts >= max_attempts THEN clock_timestamp() END,
         updated_at = clock_timestamp()
-    WHERE """
-    + _FENCE
-    + """
+    WHERE id = %(task_id)s AND lease_token = %(token)s AND status = 'processing'
     RETURNING status, run_at
 """
-)
 
 # The holder gives the task back untouched (a worker stopping, or a task snoozed): due
 # again after the delay, and this claim is not counted against max_attempts, so the next
 # claim has the same attempt number.
-RELEASE = (
-    """
+RELEASE = """
     UPDATE {schema}.tasks
     SET status = 'enqueued', attempts = attempts - 1,
         run_at = clock_timestamp() + make_interval(secs => %(delay)s),
         lease_expires_at = NULL, updated_at = clock_timestamp()
-    WHERE """
-    + _FENCE
-)
+    WHERE id = %(task_id)s AND lease_token = %(token)s AND status = 'processing'
+"""
 
-RENEW = (
-    """
+RENEW = """
     UPDATE {schema}.tasks
     SET lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
-    WHERE """
-    + _FENCE
-    + """
+    WHERE id = %(task_id)s AND lease_token = %(token)s AND status = 'processing'
     RETURNING lease_expires_at
 """
-)
 
 # Many acks in one statement, each still fenced by its own token.
 ACK_MANY = """
@@ -471,7 +257,7 @@ SWEEP_BATCH = """
         (task_id, queue, action, attempt, worker_id, lease_expires_at)
     SELECT id, queue, action, attempts, worker_id, lease_expires_at
     FROM recovered ORDER BY lease_expires_at, id
-    RETURNING task_id, queue, attempt, worker_id, lease_expires_at, action, id, recovered_at
+    RETURNING task_id, queue, attempt, worker_id, lease_expires_at, action
 """
 
 RECOVERY_EVENTS_AFTER = """
@@ -488,7 +274,7 @@ RECOVERY_EVENTS_AFTER = """
 DATABASE_NOW = "SELECT clock_timestamp()"
 
 _TASK_COLUMNS = """
-    id, queue, status, priority, attempts, max_attempts, payload, result, last_error,
+    id AS task_id, queue, status, priority, attempts, max_attempts, payload, result, last_error,
     idempotency_key, run_at, lease_expires_at, worker_id, created_at, updated_at, finished_at
 """
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from psycopg.rows import class_row
 
 from . import sql
 from .models import RecoveredTask
@@ -32,8 +33,9 @@ def sweep_expired(
             # Sweeps of one schema take turns per batch, so recovery events commit in id
             # order: a reader that remembers the last id it saw can never skip one.
             conn.execute(sql.ADVISORY_XACT_LOCK, lock_params)
-            rows = conn.execute(statement, {"limit": size}).fetchall()
-        recovered.extend(RecoveredTask(*row[:6]) for row in rows)
+            cursor = conn.cursor(row_factory=class_row(RecoveredTask))
+            rows = cursor.execute(statement, {"limit": size}).fetchall()
+        recovered.extend(rows)
         if len(rows) < size:
             break
     return recovered

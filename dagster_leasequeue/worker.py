@@ -32,10 +32,16 @@ from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any
 
-from .errors import ConfigurationError, DatabaseUnavailable, LeaseLost, LeaseQueueError
+from .errors import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    LeaseLost,
+    LeaseQueueError,
+    PayloadError,
+)
 from .lease import Lease
-from .limits import MAX_LEASE_SECONDS, check_count, check_seconds
 from .queue import LeaseQueue
+from .validation import MAX_LEASE_SECONDS, check_count, check_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +76,7 @@ class Handler:
         if result is None:
             return None
         if not isinstance(result, Mapping):
-            raise TypeError(
+            raise PayloadError(
                 f"the handler {self.name} returned {type(result).__name__}; "
                 "it must return a dict (the task's result) or None"
             )

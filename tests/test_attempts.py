@@ -415,13 +415,13 @@ def test_the_migration_keeps_what_attempt_records_mean(
 ) -> None:
     import psycopg
 
-    from dagster_leasequeue import sql as statements
+    from dagster_leasequeue import migrations, sql as statements
 
     # A schema at version 4, holding records written under the old key scheme.
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(statements.compose(statements.CREATE_SCHEMA, schema_name))
         conn.execute(statements.compose(statements.CREATE_VERSION_TABLE, schema_name))
-        for migration in statements.MIGRATIONS[:4]:
+        for migration in migrations.MIGRATIONS[:4]:
             for statement in migration.statements:
                 conn.execute(statements.compose(statement, schema_name))
             conn.execute(
@@ -452,7 +452,7 @@ def test_the_migration_keeps_what_attempt_records_mean(
                 (key, task_id),
             )
     queue = make_queue()
-    assert queue.install() == statements.LATEST_VERSION - 4
+    assert queue.install() == migrations.LATEST_VERSION - 4
     assert [r.outcome for r in queue.attempts("user-42", queue="email")] == ["succeeded"]
     assert queue.attempts("user-42", queue="sms") == []
     assert queue.attempts("user-42") == []

@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from dagster_leasequeue import ConfigurationError, Lease, LeaseLost, LeaseQueue, sql
-from dagster_leasequeue.settings import SCHEMA_NAME_PATTERN
+from dagster_leasequeue.validation import SCHEMA_NAME_PATTERN
 
 from .helpers import expire, run_sql
 

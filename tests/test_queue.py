@@ -12,7 +12,7 @@ from dagster_leasequeue import (
     LeaseQueue,
     SchemaNotInstalled,
     TaskNotFound,
-    sql,
+    migrations,
 )
 from dagster_leasequeue.models import LIVE
 
@@ -224,9 +224,9 @@ def test_install_is_idempotent_and_versioned(make_queue) -> None:  # type: ignor
         queue.enqueue({"n": 1})
     with pytest.raises(SchemaNotInstalled):
         queue.claim()
-    assert queue.install() == len(sql.MIGRATIONS)
+    assert queue.install() == len(migrations.MIGRATIONS)
     assert queue.install() == 0
-    assert queue.installed_version() == sql.LATEST_VERSION
+    assert queue.installed_version() == migrations.LATEST_VERSION
 
 
 def test_concurrent_installs(make_queue) -> None:  # type: ignore[no-untyped-def]
@@ -235,7 +235,7 @@ def test_concurrent_installs(make_queue) -> None:  # type: ignore[no-untyped-def
     queues = [make_queue() for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:
         applied = list(pool.map(lambda q: q.install(), queues))
-    assert sorted(applied) == [0, 0, 0, len(sql.MIGRATIONS)]
+    assert sorted(applied) == [0, 0, 0, len(migrations.MIGRATIONS)]
     queues[0].enqueue({"n": 1})
 
 
@@ -315,15 +315,15 @@ def test_a_database_at_an_older_version_is_migrated(
 ) -> None:
     queue = make_queue()
     with monkeypatch.context() as older_release:
-        older_release.setattr(sql, "MIGRATIONS", sql.MIGRATIONS[:1])
-        older_release.setattr(sql, "LATEST_VERSION", 1)
+        older_release.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:1])
+        older_release.setattr(migrations, "LATEST_VERSION", 1)
         assert queue.install() == 1
         task_id = queue.enqueue({"kept": True})
     assert queue.installed_version() == 1
     with pytest.raises(SchemaNotInstalled, match="is at version 1"):
         queue.check_installed()
-    assert queue.install() == len(sql.MIGRATIONS) - 1
-    assert queue.installed_version() == sql.LATEST_VERSION
+    assert queue.install() == len(migrations.MIGRATIONS) - 1
+    assert queue.installed_version() == migrations.LATEST_VERSION
     assert queue.get(task_id).payload == {"kept": True}
     options = run_sql(
         queue,

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import dagster as dg
 
+from ..errors import ConfigurationError
+
 # Set on runs that should work one queue: the worker launcher sensor sets it, and the
 # resource in such a run claims from that queue.
 QUEUE_TAG = "leasequeue/queue"
@@ -42,12 +44,13 @@ def _asset_key_part(queue: str) -> str:
 
 
 def refuse_shared_keys(queues: Sequence[str], prefix: Sequence[str]) -> list[str]:
-    """The queues, each once, in order; a ``ValueError`` if two of them have one asset key."""
+    """The queues, each once, in order; ConfigurationError (a ValueError) if two of them
+    have one asset key."""
     named: dict[dg.AssetKey, str] = {}
     for queue in dict.fromkeys(queues):
         key = queue_asset_key(queue, prefix)
         if key in named:
-            raise ValueError(
+            raise ConfigurationError(
                 f"queues {named[key]!r} and {queue!r} have the same asset key "
                 f"{key.to_user_string()!r}; rename one of them"
             )

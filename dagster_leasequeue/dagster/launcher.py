@@ -10,7 +10,7 @@ import dagster as dg
 from .keys import LAUNCH_TAG, LAUNCHER_TAG, QUEUE_TAG
 from .resource import LeaseQueueResource
 
-logger = logging.getLogger("dagster_leasequeue")
+logger = logging.getLogger(__name__)
 
 # A run in one of these statuses holds (or will hold) a slot: it may claim tasks.
 IN_PROGRESS_STATUSES = (

@@ -13,7 +13,7 @@ from ..models import LIVE, QueueStats, RecoveryEvent
 from .keys import RECOVERED_THROUGH_EVENT_TAG, queue_asset_key, refuse_shared_keys
 from .resource import LeaseQueueResource
 
-logger = logging.getLogger("dagster_leasequeue")
+logger = logging.getLogger(__name__)
 
 
 def queue_asset_specs(

@@ -1,0 +1,219 @@
+"""The schema's migrations, in order: each database is brought to the latest one.
+
+Migrations are numbered; :mod:`dagster_leasequeue.schema` applies the ones a database
+lacks, in one transaction under an advisory lock. Never edit a released migration: append
+a new one. Statements are templates over ``{schema}``, like those of :mod:`.sql`.
+
+Upgrades must not stop a running queue. From migration 5 on, a migration that builds an
+index on ``tasks`` does it with ``CREATE INDEX CONCURRENTLY``, outside the migration's
+transaction (it cannot run inside one): a plain ``CREATE INDEX`` takes a lock that blocks
+every claim, ack and enqueue until the whole table is read. Such a statement must also be
+safe to run again (``IF NOT EXISTS``, and a check for an invalid index left by an
+interrupted build), since its effect is not rolled back with the version record.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Migration(NamedTuple):
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+# What an attempt is an attempt at, as one text: a task without idempotency key is its own
+# work ("task:" + id); a key the caller chose is its own space ("key:" + key); else the
+# task's queue and idempotency key ("queue:" + the queue's length + ":" + queue + ":" +
+# key). The prefixes
+# and the length make it injective: no key a caller chooses reaches another's space.
+# AttemptTarget.identity (attempts.py) computes the same text in Python.
+_ATTEMPT_IDENTITY = """
+    CASE WHEN key IS NULL THEN 'task:' || task_id
+         WHEN queue IS NULL THEN 'key:' || key
+         ELSE 'queue:' || length(queue) || ':' || queue || ':' || key END
+"""
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "tasks, recovery events and attempts",
+        (
+            # fillfactor leaves room on each page so the hot updates (claim, renew, ack)
+            # can stay on the same page.
+            """
+            CREATE TABLE {schema}.tasks (
+                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                queue text NOT NULL,
+                status text NOT NULL DEFAULT 'enqueued'
+                    CHECK (status IN ('enqueued', 'processing', 'done', 'dead', 'cancelled')),
+                priority integer NOT NULL DEFAULT 0,
+                payload jsonb NOT NULL,
+                result jsonb,
+                idempotency_key text,
+                attempts integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+                max_attempts integer NOT NULL CHECK (max_attempts >= 1),
+                lease_seconds double precision CHECK (lease_seconds > 0),
+                run_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                lease_token bigint,
+                lease_expires_at timestamptz,
+                worker_id text,
+                last_error text,
+                created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                finished_at timestamptz
+            ) WITH (fillfactor = 80)
+            """,
+            # The claim path: only waiting rows, in the claim's ORDER BY.
+            """
+            CREATE INDEX tasks_claim_idx ON {schema}.tasks (queue, priority DESC, run_at, id)
+                WHERE status = 'enqueued'
+            """,
+            # The sweep path: only rows under lease, however many finished rows pile up.
+            # lease_expires_at is deliberately not indexed so that renewals stay HOT updates.
+            """
+            CREATE INDEX tasks_processing_idx ON {schema}.tasks (id)
+                WHERE status = 'processing'
+            """,
+            """
+            CREATE UNIQUE INDEX tasks_idempotency_idx ON {schema}.tasks (queue, idempotency_key)
+                WHERE idempotency_key IS NOT NULL AND status IN ('enqueued', 'processing')
+            """,
+            # Fencing tokens: one new value per claim, increasing, never reused.
+            "CREATE SEQUENCE {schema}.lease_tokens AS bigint",
+            """
+            CREATE TABLE {schema}.recovery_events (
+                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                task_id bigint NOT NULL,
+                queue text NOT NULL,
+                action text NOT NULL CHECK (action IN ('requeued', 'dead')),
+                attempt integer NOT NULL,
+                worker_id text,
+                lease_expires_at timestamptz NOT NULL,
+                recovered_at timestamptz NOT NULL DEFAULT clock_timestamp()
+            )
+            """,
+            """
+            CREATE TABLE {schema}.attempts (
+                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                key text NOT NULL,
+                attempt integer NOT NULL,
+                task_id bigint,
+                worker_id text,
+                outcome text NOT NULL
+                    CHECK (outcome IN ('running', 'succeeded', 'failed', 'skipped', 'abandoned')),
+                error text,
+                result jsonb,
+                started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                finished_at timestamptz
+            )
+            """,
+            "CREATE INDEX attempts_key_idx ON {schema}.attempts (key)",
+            # At most one success per key: two attempts of a key may run at once.
+            """
+            CREATE UNIQUE INDEX attempts_success_idx ON {schema}.attempts (key)
+                WHERE outcome = 'succeeded'
+            """,
+        ),
+    ),
+    Migration(
+        2,
+        "autovacuum tuned for a high-churn queue table",
+        (
+            # Every claim and ack leaves a dead tuple; vacuum after 2% of the table changed
+            # instead of the default 20%, so a busy queue stays small and its indexes lean.
+            """
+            ALTER TABLE {schema}.tasks SET (
+                autovacuum_vacuum_scale_factor = 0.02,
+                autovacuum_analyze_scale_factor = 0.05,
+                autovacuum_vacuum_insert_scale_factor = 0.05
+            )
+            """,
+        ),
+    ),
+    Migration(
+        3,
+        "dead tasks indexed, so live counts never read finished rows",
+        (
+            # Small (dead tasks are few) and written only when a task dies or is retried.
+            """
+            CREATE INDEX tasks_dead_idx ON {schema}.tasks (queue)
+                WHERE status = 'dead'
+            """,
+        ),
+    ),
+    Migration(
+        4,
+        "an attempt's success mark and fenced ack as one function",
+        (
+            # Called in the same round trip as the attempt's COMMIT (see CONCLUDE_ATTEMPT):
+            # raising when the fence fails is what keeps that COMMIT from running. Its
+            # statements are the attempt's success mark (its own row, by id) and the fenced
+            # ACK, as they stood at this version.
+            """
+            CREATE FUNCTION {schema}.conclude_attempt(
+                p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
+            ) RETURNS void LANGUAGE plpgsql AS $$
+            BEGIN
+                IF p_attempt_id IS NOT NULL THEN
+                    UPDATE {schema}.attempts
+                    SET outcome = 'succeeded', result = p_result,
+                        finished_at = clock_timestamp()
+                    WHERE id = p_attempt_id;
+                END IF;
+                IF p_task_id IS NOT NULL THEN
+                    UPDATE {schema}.tasks
+                    SET status = 'done', result = p_result, lease_expires_at = NULL,
+                        finished_at = clock_timestamp(), updated_at = clock_timestamp()
+                    WHERE id = p_task_id AND lease_token = p_token
+                        AND status = 'processing';
+                    IF NOT FOUND THEN
+                        RAISE EXCEPTION 'the lease on task % under token % is gone',
+                            p_task_id, p_token
+                            USING ERRCODE = 'LQ001';
+                    END IF;
+                END IF;
+            END
+            $$
+            """,
+        ),
+    ),
+    Migration(
+        5,
+        "attempts identified by queue and idempotency key, or by the task itself",
+        (
+            # queue NULL: a key the caller chose; key NULL: a task without idempotency key.
+            """
+            ALTER TABLE {schema}.attempts
+                ADD COLUMN queue text,
+                ADD COLUMN identity text,
+                ALTER COLUMN key DROP NOT NULL
+            """,
+            # Until now a leased attempt's key was the task's idempotency key, else
+            # "<queue>:<task id>", in one space with the keys callers chose. Records that
+            # name their task and carry its default key move to that task's space; the
+            # rest (a key chosen by the caller, or a task since purged) keep their key.
+            """
+            UPDATE {schema}.attempts AS a
+            SET queue = t.queue,
+                key = CASE WHEN a.key = t.idempotency_key THEN a.key END
+            FROM {schema}.tasks AS t
+            WHERE a.task_id = t.id
+              AND (a.key = t.idempotency_key
+                   OR (t.idempotency_key IS NULL AND a.key = t.queue || ':' || t.id))
+            """,
+            "UPDATE {schema}.attempts SET identity = " + _ATTEMPT_IDENTITY,
+            "ALTER TABLE {schema}.attempts ALTER COLUMN identity SET NOT NULL",
+            "DROP INDEX {schema}.attempts_success_idx",
+            "DROP INDEX {schema}.attempts_key_idx",
+            "CREATE INDEX attempts_identity_idx ON {schema}.attempts (identity)",
+            """
+            CREATE UNIQUE INDEX attempts_success_idx ON {schema}.attempts (identity)
+                WHERE outcome = 'succeeded'
+            """,
+        ),
+    ),
+)
+
+LATEST_VERSION = MIGRATIONS[-1].version

@@ -1,0 +1,108 @@
+"""Checks of the arguments callers give, in one place, each with a ConfigurationError that
+says what to fix.
+
+They also bound the numbers the package sends to PostgreSQL: a number the server cannot
+hold fails there, often far from where it was given (a lease too long for the idle
+timeout of an attempt fails every attempt of its task).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import datetime
+
+from .errors import ConfigurationError
+
+# An attempt's idle-in-transaction timeout is the lease in milliseconds, which PostgreSQL
+# holds in a 32-bit integer (about 24.8 days); a week is far below it.
+MAX_LEASE_SECONDS = 7 * 24 * 3600
+# Delays and ages become intervals added to the database clock: about 31.7 years.
+MAX_DELAY_SECONDS = 10**9
+# Row counts and limits are sent as integers; a 32-bit one is more than any batch needs.
+MAX_ROWS = 2**31 - 1
+# Claims before a task is dead.
+MAX_ATTEMPTS = 10_000
+# A schema name needs no quoting and fits PostgreSQL's 63-byte identifiers.
+SCHEMA_NAME_PATTERN = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def check_seconds(
+    name: str, value: float, *, allow_zero: bool = False, maximum: float = MAX_DELAY_SECONDS
+) -> float:
+    """``value`` as a float if it is a number of seconds within bounds, else raise."""
+    lowest = "0 or more" if allow_zero else "more than 0"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not allow_zero)
+        or value > maximum
+    ):
+        raise ConfigurationError(
+            f"{name} must be {lowest} seconds and at most {maximum:g}, got {value!r}"
+        )
+    return float(value)
+
+
+def check_count(name: str, value: int, *, minimum: int = 1, maximum: int = MAX_ROWS) -> int:
+    """``value`` if it is a whole number within bounds, else raise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ConfigurationError(
+            f"{name} must be a whole number from {minimum} to {maximum}, got {value!r}"
+        )
+    return value
+
+
+def check_queue(queue: str) -> str:
+    """A queue name: not blank, at most 200 characters."""
+    if not isinstance(queue, str) or not queue.strip() or len(queue) > 200:
+        raise ConfigurationError(
+            f"queue must be a non-empty name of up to 200 characters, got {queue!r}"
+        )
+    return queue
+
+
+def check_priority(priority: int) -> int:
+    """A priority: a whole number the server holds in 32 bits."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > MAX_ROWS:
+        raise ConfigurationError(f"priority must be a whole number within ±2**31, got {priority!r}")
+    return priority
+
+
+def check_key(key: str | None) -> str | None:
+    """An idempotency key: a non-empty string without NUL, or None."""
+    if key is not None and (not isinstance(key, str) or not key or "\x00" in key):
+        raise ConfigurationError(f"idempotency_key must be a non-empty string, got {key!r}")
+    return key
+
+
+def check_lease_seconds(value: float | None) -> float | None:
+    """A lease length in seconds, at most MAX_LEASE_SECONDS, or None."""
+    if value is None:
+        return None
+    return check_seconds("lease_seconds", value, maximum=MAX_LEASE_SECONDS)
+
+
+def check_run_at(run_at: datetime | None, delay: float | None) -> datetime | None:
+    """A timezone-aware time to run at, given without a delay, or None."""
+    if run_at is None:
+        return None
+    if delay is not None:
+        raise ConfigurationError("give run_at or delay, not both")
+    if not isinstance(run_at, datetime) or run_at.tzinfo is None:
+        raise ConfigurationError(
+            "run_at must be a timezone-aware datetime, for example datetime.now(timezone.utc)"
+        )
+    return run_at
+
+
+def validate_schema_name(name: str) -> str:
+    """Return ``name`` if it is a safe PostgreSQL schema name, else raise ConfigurationError."""
+    if not isinstance(name, str) or not SCHEMA_NAME_PATTERN.match(name):
+        raise ConfigurationError(
+            f"schema name {name!r} is not allowed: use 1 to 63 lowercase ASCII letters, "
+            "digits or underscores, starting with a letter or underscore (for example 'leasequeue')"
+        )
+    return name

@@ -1,0 +1,90 @@
+"""The hot statements are written out whole in sql.py; these tests hold them together.
+
+Where several statements share a condition (the fence) or a part (the claim's pick, set
+and returned columns), each is checked to have it exactly, and the column order the hot
+paths read by position is pinned.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dagster_leasequeue import migrations, sql
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _between(text: str, start: str, end: str) -> str:
+    flat = _flat(text)
+    begin = flat.index(start)
+    return flat[begin : flat.index(end, begin) + len(end)]
+
+
+def test_every_fenced_statement_has_the_fence_whole() -> None:
+    for statement in (sql.ACK, sql.FAIL, sql.RELEASE, sql.RENEW):
+        assert f"WHERE {sql.FENCE}" in _flat(statement)
+    # The same condition, per row of many leases, and in the attempt's conclusion.
+    per_row = (
+        sql.FENCE.replace("id =", "t.id =")
+        .replace("lease_token =", "t.lease_token =")
+        .replace("AND status", "AND t.status")
+        .replace("%(task_id)s", "a.task_id")
+        .replace("%(token)s", "a.token")
+    )
+    assert f"WHERE {per_row}" in _flat(sql.ACK_MANY)
+    conclusion = sql.FENCE.replace("%(task_id)s", "p_task_id").replace("%(token)s", "p_token")
+    (function,) = migrations.MIGRATIONS[3].statements
+    assert f"WHERE {conclusion}" in _flat(function)
+
+
+def test_the_two_claims_pick_set_and_return_alike() -> None:
+    one, many = sql.CLAIM_ONE, sql.CLAIM_MANY
+    pick = ("SELECT id FROM", "FOR UPDATE SKIP LOCKED")
+    assert _between(one, *pick) == _between(many, *pick)
+    lease = ("SET status = 'processing'", "updated_at = clock_timestamp()")
+    assert _between(one, *lease) == _between(many, *lease)
+    returned = _flat(one)[_flat(one).index("RETURNING") :]
+    assert _flat(many).endswith(returned + ", t.run_at")
+
+
+def _returned(statement: str) -> list[str]:
+    """The RETURNING list, split at the commas outside parentheses."""
+    text = _flat(statement)
+    columns, depth, current = [], 0, ""
+    for char in text[text.rindex("RETURNING") + len("RETURNING") :]:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            columns.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return [*columns, current.strip()]
+
+
+def test_the_columns_the_hot_paths_read_by_position() -> None:
+    # queue.claim_many builds each Lease from these positions.
+    assert _returned(sql.CLAIM_MANY) == [
+        "t.id",
+        "t.payload",
+        "t.priority",
+        "t.attempts",
+        "t.max_attempts",
+        "t.lease_token",
+        "t.lease_expires_at",
+        "t.idempotency_key",
+        "coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)",
+        "t.run_at",
+    ]
+    assert _returned(sql.FAIL) == ["status", "run_at"]
+    assert _returned(sql.RENEW) == ["lease_expires_at"]
+    # run_attempt reads the start record's id, number, duplicate flag, earlier result and
+    # how many attempts it found abandoned.
+    assert _returned(sql.BEGIN_ATTEMPT)[:5] == [
+        "id",
+        "attempt",
+        "outcome = 'skipped'",
+        "(SELECT result FROM previous)",
+        "(SELECT count(*) FROM abandoned)",
+    ]
