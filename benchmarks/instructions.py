@@ -15,9 +15,9 @@ import shutil
 import subprocess
 import sys
 
-from benchmarks.db import bench_schema, connect, fill_tasks, vacuum
-from benchmarks.report import table
-from benchmarks.strategies import STRATEGIES
+from benchmarks.harness.db import bench_schema, connect, fill_tasks, vacuum
+from benchmarks.harness.report import table
+from benchmarks.harness.strategies import STRATEGIES
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_STRATEGIES = (

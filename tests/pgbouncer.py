@@ -1,4 +1,5 @@
-"""A real PgBouncer in transaction mode, in front of the test server, for tests/test_pgbouncer.py.
+"""A real PgBouncer in transaction mode, in front of the test server, for
+tests/integration/test_pgbouncer.py.
 
 PgBouncer refuses to run as root, so as root it is started with ``-u``: as the owner of the
 server's socket directory when the server listens on a Unix socket (the embedded pgserver

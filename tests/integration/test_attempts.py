@@ -1,0 +1,469 @@
+"""Attempts: effects, success mark and fenced ack in one commit; duplicates skipped."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import pytest
+
+from dagster_leasequeue import (
+    Attempt,
+    ConfigurationError,
+    LeaseLost,
+    LeaseQueue,
+    LeaseQueueError,
+)
+
+from ..helpers import expire, run_sql
+
+
+@pytest.fixture
+def results(queue: LeaseQueue) -> LeaseQueue:
+    run_sql(queue, "CREATE TABLE {schema}.results (doc text PRIMARY KEY, pages int)")
+    return queue
+
+
+def write_result(attempt: Attempt, doc: str, pages: int) -> None:
+    schema = _schema[0]
+    attempt.connection.execute(f'INSERT INTO "{schema}".results VALUES (%s, %s)', (doc, pages))
+
+
+_schema: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _remember_schema(schema_name: str) -> None:
+    _schema[:] = [schema_name]
+
+
+def count_results(queue: LeaseQueue) -> int:
+    return int(run_sql(queue, "SELECT count(*) FROM {schema}.results")[0][0])
+
+
+def test_effect_success_and_ack_commit_together(results: LeaseQueue) -> None:
+    queue = results
+    task_id = queue.enqueue({"doc": "invoice.pdf"}, idempotency_key="invoice.pdf")
+    lease = queue.claim()
+    assert lease is not None
+    with lease, queue.attempt(lease=lease) as attempt:
+        assert not attempt.duplicate and attempt.number == 1
+        assert attempt.key == "invoice.pdf"
+        write_result(attempt, "invoice.pdf", 2)
+        attempt.result = {"pages": 2}
+    info = queue.get(task_id)
+    assert info.status == "done" and info.result == {"pages": 2}
+    assert count_results(queue) == 1
+    (record,) = queue.attempts("invoice.pdf", queue="default")
+    assert (record.outcome, record.attempt, record.task_id) == ("succeeded", 1, task_id)
+    assert record.finished_at is not None and record.worker_id == lease.worker_id
+
+
+def test_a_duplicate_is_skipped_and_acked_with_the_first_result(results: LeaseQueue) -> None:
+    queue = results
+    with queue.attempt("contract-9") as attempt:
+        write_result(attempt, "contract-9", 200)
+        attempt.result = {"pages": 200}
+    task_id = queue.enqueue({"doc": "contract-9"})
+    lease = queue.claim()
+    assert lease is not None
+    with queue.attempt("contract-9", lease=lease) as attempt:
+        assert attempt.duplicate and attempt.result == {"pages": 200}
+    assert queue.get(task_id).status == "done"
+    assert queue.get(task_id).result == {"pages": 200}
+    assert count_results(queue) == 1
+    assert [r.outcome for r in queue.attempts("contract-9")] == ["succeeded", "skipped"]
+
+
+def test_an_error_rolls_back_the_effect_and_keeps_the_key_open(results: LeaseQueue) -> None:
+    queue = results
+    task_id = queue.enqueue({"doc": "scan.pdf"})
+    lease = queue.claim()
+    assert lease is not None
+    with pytest.raises(RuntimeError, match="ocr"), lease, queue.attempt(lease=lease) as attempt:
+        write_result(attempt, "scan.pdf", 1)
+        raise RuntimeError("ocr crashed")
+    assert count_results(queue) == 0
+    info = queue.get(task_id)
+    assert info.status == "enqueued" and info.last_error == "RuntimeError: ocr crashed"
+    run_sql(queue, "UPDATE {schema}.tasks SET run_at = clock_timestamp()")
+    lease = queue.claim()
+    assert lease is not None and lease.attempt == 2
+    with queue.attempt(lease=lease) as attempt:
+        assert not attempt.duplicate and attempt.number == 2
+        write_result(attempt, "scan.pdf", 1)
+    assert count_results(queue) == 1
+    outcomes = [(r.outcome, r.error) for r in queue.attempts(task_id=task_id)]
+    assert outcomes == [("failed", "RuntimeError: ocr crashed"), ("succeeded", None)]
+
+
+def test_a_transaction_block_as_the_first_statement_commits_with_the_attempt(
+    results: LeaseQueue,
+) -> None:
+    # psycopg would make the block the outer transaction and commit it at its end.
+    queue = results
+    queue.enqueue({"doc": "first.pdf"})
+    lease = queue.claim()
+    assert lease is not None
+    with pytest.raises(RuntimeError, match="after"), queue.attempt(lease=lease) as attempt:
+        with attempt.connection.transaction():
+            write_result(attempt, "first.pdf", 1)
+        raise RuntimeError("failed after the block")
+    assert count_results(queue) == 0
+    run_sql(queue, "UPDATE {schema}.tasks SET run_at = clock_timestamp()")
+    lease = queue.claim()
+    assert lease is not None
+    with queue.attempt(lease=lease) as attempt:
+        # A block that fails inside the attempt is a savepoint: only it is rolled back.
+        with pytest.raises(RuntimeError), attempt.connection.transaction():
+            write_result(attempt, "draft.pdf", 1)
+            raise RuntimeError("discard the draft")
+        with attempt.connection.transaction():
+            write_result(attempt, "first.pdf", 1)
+    assert run_sql(queue, "SELECT doc FROM {schema}.results") == [("first.pdf",)]
+    assert [r.outcome for r in queue.attempts(task_id=lease.task_id)] == [
+        "failed",
+        "succeeded",
+    ]
+
+
+def test_a_lost_lease_rolls_back_the_effect(results: LeaseQueue) -> None:
+    queue = results
+    task_id = queue.enqueue({"doc": "report.pdf"})
+    stale = queue.claim()
+    assert stale is not None
+    with (
+        pytest.raises(LeaseLost, match=r"cannot ack .* claimed again under token"),
+        queue.attempt(lease=stale) as attempt,
+    ):
+        write_result(attempt, "report.pdf", 5)
+        expire(queue, task_id)
+        queue.sweep()
+        fresh = queue.claim()
+    assert count_results(queue) == 0
+    assert [r.outcome for r in queue.attempts(task_id=task_id)] == ["failed"]
+    assert fresh is not None
+    with queue.attempt(lease=fresh) as attempt:
+        assert not attempt.duplicate
+        write_result(attempt, "report.pdf", 5)
+    assert count_results(queue) == 1 and queue.get(task_id).status == "done"
+
+
+def test_an_attempt_that_runs_no_statement_acks_in_one_round_trip(queue: LeaseQueue) -> None:
+    # Its result is written, its success marked and its lease acked without a transaction
+    # opened for the purpose; a lost lease still writes nothing.
+    notices: list[str] = []
+    done_id = queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    with queue.attempt(lease=lease) as attempt:
+        attempt.connection.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+        attempt.result = {"computed": True}
+    assert queue.get(done_id).status == "done"
+    assert queue.get(done_id).result == {"computed": True}
+    assert [r.outcome for r in queue.attempts(task_id=done_id)] == ["succeeded"]
+    assert notices == []  # no "there is no transaction in progress"
+
+    lost_id = queue.enqueue({"n": 2})
+    stale = queue.claim()
+    assert stale is not None
+    with (
+        pytest.raises(LeaseLost, match="claimed again"),
+        queue.attempt(lease=stale) as attempt,
+    ):
+        expire(queue, lost_id)
+        queue.sweep()
+        fresh = queue.claim()
+        attempt.result = {"computed": True}
+    assert fresh is not None and queue.get(lost_id).status == "processing"
+    assert queue.get(lost_id).result is None
+    assert [r.outcome for r in queue.attempts(task_id=lost_id)] == ["failed"]
+
+
+def test_a_unique_violation_of_the_callers_own_at_commit_is_an_error_not_a_duplicate(
+    queue: LeaseQueue,
+) -> None:
+    # A deferred constraint is checked by the COMMIT that ends the attempt, in the same
+    # round trip as the success mark; only the package's success index means "duplicate".
+    run_sql(
+        queue,
+        "CREATE TABLE {schema}.ledger (entry text UNIQUE DEFERRABLE INITIALLY DEFERRED)",
+    )
+    run_sql(queue, "INSERT INTO {schema}.ledger VALUES ('taken')")
+    task_id = queue.enqueue({"entry": "taken"})
+    lease = queue.claim()
+    assert lease is not None
+    with (
+        pytest.raises(LeaseQueueError, match="UniqueViolation"),
+        queue.attempt(lease=lease) as attempt,
+    ):
+        attempt.connection.execute(f'INSERT INTO "{queue.schema}".ledger VALUES (%s)', ("taken",))
+    assert [r.outcome for r in queue.attempts(task_id=task_id)] == ["failed"]
+    assert queue.get(task_id).status == "enqueued"  # failed back, to be retried
+    assert run_sql(queue, "SELECT count(*) FROM {schema}.ledger")[0][0] == 1
+
+
+def test_a_stale_lease_cannot_start_an_attempt_after_its_renewal_failed(queue: LeaseQueue) -> None:
+    task_id = queue.enqueue({"n": 1})
+    lease = queue.claim(lease_seconds=0.3)
+    assert lease is not None
+    with pytest.raises(LeaseLost), lease:
+        queue.cancel(task_id)
+        time.sleep(0.5)
+        with queue.attempt(lease=lease):
+            pytest.fail("the attempt should not start")
+
+
+def test_an_abandoned_attempt_is_marked_and_retried(queue: LeaseQueue) -> None:
+    run_sql(
+        queue,
+        "INSERT INTO {schema}.attempts (identity, key, attempt, outcome)"
+        " VALUES ('key:k', 'k', 1, 'running')",
+    )
+    with queue.attempt("k") as attempt:
+        assert attempt.number == 2 and attempt.abandoned == 1 and not attempt.duplicate
+    assert [r.outcome for r in queue.attempts("k")] == ["abandoned", "succeeded"]
+
+
+def test_concurrent_attempts_of_one_key_commit_one_success(results: LeaseQueue) -> None:
+    queue = results
+    entered = threading.Event()
+    outcomes: list[tuple[str, bool]] = []
+
+    def slow_first() -> None:
+        with queue.attempt("shared") as attempt:
+            entered.set()
+            time.sleep(0.5)
+            write_result(attempt, "shared-slow", 1)
+        outcomes.append(("slow", attempt.duplicate))
+
+    first = threading.Thread(target=slow_first)
+    first.start()
+    entered.wait()
+    # No lock is held across the work: this attempt runs at once and commits first.
+    with queue.attempt("shared") as attempt:
+        assert not attempt.duplicate
+        write_result(attempt, "shared-fast", 2)
+    outcomes.append(("fast", attempt.duplicate))
+    first.join()
+    assert outcomes == [("fast", False), ("slow", True)]
+    assert run_sql(queue, "SELECT pages FROM {schema}.results") == [(2,)]
+    assert sorted(r.outcome for r in queue.attempts("shared")) == ["skipped", "succeeded"]
+
+
+def test_a_paused_attempt_does_not_hold_up_its_replacement(results: LeaseQueue) -> None:
+    """A zombie inside an attempt (here: a thread that waits) must not block the new holder."""
+    queue = results
+    task_id = queue.enqueue({"doc": "z.pdf"})
+    zombie = queue.claim(lease_seconds=2)
+    assert zombie is not None
+    resume = threading.Event()
+    errors: list[BaseException] = []
+
+    def zombie_worker() -> None:
+        try:
+            with queue.attempt(lease=zombie) as attempt:
+                write_result(attempt, "z.pdf", 666)
+                resume.wait()
+        except BaseException as exc:
+            errors.append(exc)
+
+    paused = threading.Thread(target=zombie_worker)
+    paused.start()
+    time.sleep(0.2)
+    expire(queue, task_id)
+    queue.sweep()
+    fresh = queue.claim()
+    assert fresh is not None
+    started = time.monotonic()
+    # The zombie's open transaction holds the row "z.pdf" until the server ends its idle
+    # session, after the zombie's lease length.
+    with queue.attempt(lease=fresh) as attempt:
+        write_result(attempt, "z.pdf", 1)
+    assert time.monotonic() - started < 6
+    resume.set()
+    paused.join()
+    assert len(errors) == 1 and isinstance(errors[0], LeaseLost)
+    assert run_sql(queue, "SELECT pages FROM {schema}.results") == [(1,)]
+    assert queue.get(task_id).status == "done"
+
+
+def test_an_attempt_keeps_its_lease_alive_with_a_pool_of_one(make_queue) -> None:  # type: ignore[no-untyped-def]
+    queue = make_queue(pool_size=1)
+    queue.install()
+    task_id = queue.enqueue({"n": 1})
+    lease = queue.claim(lease_seconds=0.6)
+    assert lease is not None
+    started = time.monotonic()
+    with lease, queue.attempt(lease=lease):
+        time.sleep(1.5)  # the only pooled connection is busy; renewals must still land
+    assert time.monotonic() - started < 5
+    assert queue.get(task_id).status == "done" and not lease.lost
+
+
+def test_an_attempt_key_cannot_block_the_sweeper(queue: LeaseQueue) -> None:
+    with queue.attempt("sweep"):
+        started = time.monotonic()
+        queue.sweep()
+        assert time.monotonic() - started < 1
+
+
+def test_attempt_needs_a_key_or_a_lease(queue: LeaseQueue) -> None:
+    with pytest.raises(ConfigurationError, match="needs a key"), queue.attempt():
+        pass
+
+
+def session_setting(queue: LeaseQueue, name: str) -> str:
+    with queue.connection() as conn:
+        return str(conn.execute(f"SELECT current_setting('{name}')").fetchone()[0])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("ending", ["success", "error", "duplicate"])
+def test_settings_made_in_an_attempt_do_not_outlive_it(
+    make_queue: Callable[..., LeaseQueue], ending: str
+) -> None:
+    # A pool of one: the next borrower gets the attempt's own connection.
+    queue = make_queue(pool_size=1)
+    queue.install()
+    default_work_mem = session_setting(queue, "work_mem")
+    default_idle_timeout = session_setting(queue, "idle_in_transaction_session_timeout")
+    default_synchronous_commit = session_setting(queue, "synchronous_commit")
+    if ending == "duplicate":
+        with queue.attempt("report") as first:
+            assert not first.duplicate
+    expected_error = pytest.raises(RuntimeError) if ending == "error" else nullcontext()
+    with expected_error, queue.attempt("report") as attempt:
+        assert attempt.duplicate == (ending == "duplicate")
+        attempt.connection.execute("SET work_mem = '7MB'")
+        if ending == "error":
+            raise RuntimeError("the work failed")
+    assert session_setting(queue, "work_mem") == default_work_mem
+    # Nor does the attempt's own idle-in-transaction timeout.
+    idle_timeout = session_setting(queue, "idle_in_transaction_session_timeout")
+    assert idle_timeout == default_idle_timeout
+    # The start record's asynchronous commit was for its own transaction only.
+    assert session_setting(queue, "synchronous_commit") == default_synchronous_commit
+
+
+def _drain_with_attempts(queue: LeaseQueue, queue_name: str) -> list[bool]:
+    """Claim and run every task of ``queue_name`` through an attempt; the duplicate flags."""
+    duplicates = []
+    while (lease := queue.claim(queue=queue_name)) is not None:
+        with lease, queue.attempt(lease=lease) as attempt:
+            duplicates.append(attempt.duplicate)
+            if not attempt.duplicate:
+                write_result(attempt, f"{queue_name}:{lease.payload['to']}", 1)
+    return duplicates
+
+
+def test_the_same_idempotency_key_in_two_queues_is_two_pieces_of_work(
+    results: LeaseQueue,
+) -> None:
+    queue = results
+    email = queue.enqueue({"to": "user-42"}, queue="email", idempotency_key="user-42")
+    sms = queue.enqueue({"to": "user-42"}, queue="sms", idempotency_key="user-42")
+    assert _drain_with_attempts(queue, "email") == [False]
+    assert _drain_with_attempts(queue, "sms") == [False]
+    assert sorted(doc for (doc,) in run_sql(queue, "SELECT doc FROM {schema}.results")) == [
+        "email:user-42",
+        "sms:user-42",
+    ]
+    assert queue.get(email).status == queue.get(sms).status == "done"
+    assert len(queue.attempts("user-42", queue="email")) == 1
+    assert len(queue.attempts("user-42", queue="sms")) == 1
+    # Within one queue the key still names one piece of work.
+    queue.enqueue({"to": "user-42"}, queue="email", idempotency_key="user-42")
+    assert _drain_with_attempts(queue, "email") == [True]
+
+
+def test_a_chosen_key_never_meets_a_keyless_task(results: LeaseQueue) -> None:
+    queue = results
+    keyless = queue.enqueue({"to": "keyless"}, queue="mail")
+    # The string a keyless task's attempts were once recorded under.
+    queue.enqueue({"to": "keyed"}, queue="mail", idempotency_key=f"mail:{keyless}")
+    assert _drain_with_attempts(queue, "mail") == [False, False]
+    with queue.attempt(f"mail:{keyless}") as attempt:
+        assert not attempt.duplicate
+    assert [r.outcome for r in queue.attempts(task_id=keyless)] == ["succeeded"]
+
+
+def test_a_key_of_your_own_is_shared_across_queues_and_tasks(results: LeaseQueue) -> None:
+    queue = results
+    with queue.attempt("monthly-report") as attempt:
+        attempt.result = {"sent": True}
+    queue.enqueue({"to": "x"}, queue="reports", idempotency_key="monthly-report")
+    lease = queue.claim(queue="reports")
+    assert lease is not None
+    with queue.attempt("monthly-report", lease=lease) as attempt:
+        assert attempt.duplicate and attempt.result == {"sent": True}
+    # The task's own idempotency key is another space: its work was never done.
+    assert queue.attempts("monthly-report", queue="reports") == []
+    assert [r.outcome for r in queue.attempts("monthly-report")] == ["succeeded", "skipped"]
+
+
+def test_attempts_needs_a_key_or_a_task(queue: LeaseQueue) -> None:
+    with pytest.raises(ConfigurationError, match="key or a task_id"):
+        queue.attempts()
+    with pytest.raises(ConfigurationError, match="not both"):
+        queue.attempts("k", task_id=1)
+
+
+def test_the_migration_keeps_what_attempt_records_mean(
+    dsn: str, schema_name: str, make_queue: Callable[..., LeaseQueue]
+) -> None:
+    import psycopg
+
+    from dagster_leasequeue import migrations, sql as statements
+
+    # A schema at version 4, holding records written under the old key scheme.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(statements.compose(statements.CREATE_SCHEMA, schema_name))
+        conn.execute(statements.compose(statements.CREATE_VERSION_TABLE, schema_name))
+        for migration in migrations.MIGRATIONS[:4]:
+            for statement in migration.statements:
+                conn.execute(statements.compose(statement, schema_name))
+            conn.execute(
+                statements.compose(statements.RECORD_VERSION, schema_name),
+                {"version": migration.version, "description": migration.description},
+            )
+        tasks = f'"{schema_name}".tasks'
+        keyed, keyless, gone = (
+            conn.execute(
+                f"INSERT INTO {tasks} (queue, payload, idempotency_key, max_attempts, status)"
+                " VALUES (%s, '{}', %s, 3, 'done') RETURNING id",
+                (queue_name, key),
+            ).fetchone()[0]  # type: ignore[index]
+            for queue_name, key in [("email", "user-42"), ("email", None), ("email", None)]
+        )
+        conn.execute(f"DELETE FROM {tasks} WHERE id = %s", (gone,))
+        old_records = [
+            ("user-42", keyed),  # a task's idempotency key
+            (f"email:{keyless}", keyless),  # a keyless task's default key
+            ("chosen", None),  # a key of the caller's own
+            ("chosen-with-lease", keyed),  # a key of the caller's own, given with a lease
+            (f"email:{gone}", gone),  # a task since purged
+        ]
+        for key, task_id in old_records:
+            conn.execute(
+                f'INSERT INTO "{schema_name}".attempts (key, attempt, task_id, outcome)'
+                " VALUES (%s, 1, %s, 'succeeded')",
+                (key, task_id),
+            )
+    queue = make_queue()
+    assert queue.install() == migrations.LATEST_VERSION - 4
+    assert [r.outcome for r in queue.attempts("user-42", queue="email")] == ["succeeded"]
+    assert queue.attempts("user-42", queue="sms") == []
+    assert queue.attempts("user-42") == []
+    assert [r.key for r in queue.attempts(task_id=keyless)] == [None]
+    assert queue.attempts(f"email:{keyless}") == []
+    assert [r.task_id for r in queue.attempts("chosen")] == [None]
+    assert [r.task_id for r in queue.attempts("chosen-with-lease")] == [keyed]
+    assert [r.key for r in queue.attempts(f"email:{gone}")] == [f"email:{gone}"]
+    # The migrated success still makes a new task of the same queue and key a duplicate.
+    queue.enqueue({"to": "user-42"}, queue="email", idempotency_key="user-42")
+    lease = queue.claim(queue="email")
+    assert lease is not None
+    with queue.attempt(lease=lease) as attempt:
+        assert attempt.duplicate

@@ -1,0 +1,70 @@
+"""A worker role with only the grants it needs runs the whole worker life cycle."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from dagster_leasequeue import LeaseQueue, LeaseQueueError, LeaseQueueSettings
+
+from ..helpers import expire, run_sql
+
+
+@pytest.fixture
+def worker_role(dsn: str) -> Iterator[str]:
+    role = f"lq_worker_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    yield role
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_the_worker_role_runs_claim_ack_renew_attempt_and_sweep(
+    dsn: str, queue: LeaseQueue, worker_role: str
+) -> None:
+    queue.grant_worker(worker_role)
+    run_sql(queue, "CREATE TABLE {schema}.effects (task_id bigint)")
+    run_sql(queue, f"GRANT INSERT ON {{schema}}.effects TO {worker_role}")
+    settings = LeaseQueueSettings(_env_file=None)
+    with LeaseQueue(
+        make_conninfo(dsn, user=worker_role), schema=queue.schema, settings=settings
+    ) as worker:
+        assert worker.install() == 0  # nothing to do, and no DDL right needed to find that out
+        ids = worker.enqueue_many([{"n": n} for n in range(3)])
+        worker.enqueue({"n": 3}, idempotency_key="k")
+        lease = worker.claim()
+        assert lease is not None
+        lease.renew(60)
+        with worker.attempt(lease=lease) as attempt:
+            attempt.connection.execute(
+                sql.SQL("INSERT INTO {} VALUES (%s)").format(
+                    sql.Identifier(queue.schema, "effects")
+                ),
+                (lease.task_id,),
+            )
+        stale = worker.claim()
+        assert stale is not None
+        expire(queue, stale.task_id)
+        assert [r.task_id for r in worker.sweep()] == [stale.task_id]
+        failing = worker.claim()
+        assert failing is not None
+        failing.fail("retry me", retry_in=0)
+        assert worker.stats().counts["done"] == 1
+        assert worker.get(ids[0]).status == "done"
+        # What it must not do.
+        for forbidden in (
+            lambda: worker.purge(0),
+            lambda: run_sql(worker, "TRUNCATE {schema}.tasks"),
+            lambda: run_sql(worker, "DROP TABLE {schema}.attempts"),
+            lambda: run_sql(worker, "CREATE TABLE {schema}.intruder (x int)"),
+        ):
+            with pytest.raises(LeaseQueueError, match=r"permission denied|must be owner"):
+                forbidden()
+    assert run_sql(queue, "SELECT count(*) FROM {schema}.tasks")[0][0] == 4
