@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
 
 from dagster_leasequeue import LeaseQueue
+
+T = TypeVar("T")
 
 
 def run_sql(queue: LeaseQueue, statement: str, params: dict[str, Any] | None = None) -> list[Any]:
@@ -22,3 +29,34 @@ def expire(queue: LeaseQueue, *task_ids: int) -> None:
         " WHERE id = ANY(%(ids)s)",
         {"ids": list(task_ids)},
     )
+
+
+def waits_for_a_lock(dsn: str, schema: str) -> bool:
+    """Whether a session is waiting for a lock in a statement on the schema's tasks."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE %s",
+            (f'%"{schema}".tasks%',),
+        ).fetchone()
+    return row is not None and row[0] > 0
+
+
+def start_blocked(dsn: str, schema: str, call: Callable[[], T]) -> Callable[[], T]:
+    """Run ``call`` in a thread until it waits for a lock on the schema's tasks.
+
+    Returns a function that waits for the call to end and gives its result.
+    """
+    results: list[T] = []
+    thread = threading.Thread(target=lambda: results.append(call()))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not waits_for_a_lock(dsn, schema):
+        assert time.monotonic() < deadline, "the call never waited for a lock"
+        time.sleep(0.05)
+
+    def finish() -> T:
+        thread.join(timeout=30)
+        return results[0]
+
+    return finish

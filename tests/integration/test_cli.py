@@ -23,7 +23,7 @@ from click.testing import CliRunner, Result
 from dagster_leasequeue import LeaseQueue
 from dagster_leasequeue.cli import main
 
-from ..helpers import expire, run_sql
+from ..helpers import expire, run_sql, waits_for_a_lock
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "dagster_leasequeue.cli"]
@@ -516,7 +516,7 @@ def test_a_stop_during_a_claim_hands_the_task_back_unused(
         # The worker's claim waits for this lock: the SIGTERM arrives while it is on its way.
         locker.execute(f'LOCK TABLE "{queue.schema}".tasks IN EXCLUSIVE MODE')
         worker = start_worker("tests.cli_handlers:slow", "--queue", "slow")
-        wait_for(lambda: _waits_for_a_lock(dsn, queue.schema))
+        wait_for(lambda: waits_for_a_lock(dsn, queue.schema))
         worker.send_signal(signal.SIGTERM)
         time.sleep(0.5)
     _, stderr = worker.communicate(timeout=15)
@@ -524,16 +524,6 @@ def test_a_stop_during_a_claim_hands_the_task_back_unused(
     assert "released for another worker" in stderr
     task = queue.get(task_id)
     assert (task.status, task.attempts) == ("enqueued", 0)
-
-
-def _waits_for_a_lock(dsn: str, schema: str) -> bool:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE %s",
-            (f'%"{schema}".tasks%',),
-        ).fetchone()
-    return row is not None and row[0] > 0
 
 
 @pytest.mark.slow

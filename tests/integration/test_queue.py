@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timedelta, timezone
 
+import psycopg
 import pytest
 
 from dagster_leasequeue import (
@@ -16,7 +17,7 @@ from dagster_leasequeue import (
 )
 from dagster_leasequeue.models import LIVE
 
-from ..helpers import run_sql
+from ..helpers import run_sql, start_blocked
 
 
 def drain(queue: LeaseQueue, name: str = "default") -> list[int]:
@@ -399,15 +400,10 @@ def test_retry_dead_never_takes_a_keyless_task_for_a_key(queue: LeaseQueue) -> N
 def test_retry_dead_skips_a_key_enqueued_meanwhile_and_retries_the_rest(
     dsn: str, queue: LeaseQueue, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import threading
-
-    import psycopg
-
     keyed = queue.enqueue({"n": 1}, max_attempts=1, idempotency_key="k")
     _kill(queue)
     plain = queue.enqueue({"n": 2}, max_attempts=1)
     _kill(queue)
-    retried: list[int] = []
     with psycopg.connect(dsn) as producer:
         # An enqueue of the key, not yet committed while retry_dead looks: the key is free
         # in retry_dead's snapshot, and its update then waits on this insert.
@@ -415,39 +411,19 @@ def test_retry_dead_skips_a_key_enqueued_meanwhile_and_retries_the_rest(
             f'INSERT INTO "{queue.schema}".tasks (queue, payload, idempotency_key, max_attempts)'
             " VALUES ('default', '{}', 'k', 1)"
         )
-        retry = threading.Thread(target=lambda: retried.append(queue.retry_dead()))
-        retry.start()
-        deadline = time.monotonic() + 10
-        while not _waits_for_a_lock(dsn) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        retried = start_blocked(dsn, queue.schema, queue.retry_dead)
         producer.commit()
-    retry.join()
-    assert retried == [1]
+    assert retried() == 1
     assert queue.get(keyed).status == "dead"
     assert queue.get(plain).status == "enqueued"
     assert f"task {keyed} stays dead" in caplog.text
 
 
-def _waits_for_a_lock(dsn: str) -> bool:
-    import psycopg
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        ).fetchone()
-    return row is not None and row[0] > 0
-
-
 def test_purge_looks_again_at_a_row_that_changed_while_it_waited(
     dsn: str, queue: LeaseQueue
 ) -> None:
-    import threading
-
-    import psycopg
-
     task_id = queue.enqueue({"n": 1}, max_attempts=1)
     _kill(queue)
-    purged: list[int] = []
     with psycopg.connect(dsn) as operator:
         # retry_dead's update, held open while purge picks the row and waits for its lock.
         operator.execute(
@@ -455,13 +431,8 @@ def test_purge_looks_again_at_a_row_that_changed_while_it_waited(
             " finished_at = NULL, run_at = clock_timestamp() WHERE id = %s",
             (task_id,),
         )
-        purge = threading.Thread(target=lambda: purged.append(queue.purge(0, statuses=("dead",))))
-        purge.start()
-        deadline = time.monotonic() + 10
-        while not _waits_for_a_lock(dsn) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        purged = start_blocked(dsn, queue.schema, lambda: queue.purge(0, statuses=("dead",)))
         operator.commit()
-    purge.join()
-    assert purged == [0]
+    assert purged() == 0
     lease = queue.claim()
     assert lease is not None and lease.task_id == task_id
