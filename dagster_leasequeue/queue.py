@@ -62,17 +62,18 @@ _POLL_SECONDS = 1.0
 class LeaseQueue:
     """A durable task queue in PostgreSQL, with leases that recover tasks of dead workers.
 
-    Example::
+    Example:
+        .. code-block:: python
 
-        from dagster_leasequeue import LeaseQueue
+            from dagster_leasequeue import LeaseQueue
 
-        with LeaseQueue("postgresql://app@db/app") as queue:
-            queue.install()
-            queue.enqueue({"document": "invoice-17.pdf"})
-            lease = queue.claim()
-            if lease is not None:
-                with lease:  # renews in the background, acks on success, fails on error
-                    handle(lease.payload)
+            with LeaseQueue("postgresql://app@db/app") as queue:
+                queue.install()
+                queue.enqueue({"document": "invoice-17.pdf"})
+                lease = queue.claim()
+                if lease is not None:
+                    with lease:  # renews in the background, acks on success, fails on error
+                        handle(lease.payload)
 
     With no DSN here nor in ``LEASEQUEUE_DSN``, it starts or attaches to an embedded
     PostgreSQL under ``LEASEQUEUE_DATA_DIR``.
@@ -590,12 +591,13 @@ class LeaseQueue:
         its own: the same key is the same work whatever the queue or task, and no task's
         idempotency key is ever taken for it.
 
-        Example::
+        Example:
+            .. code-block:: python
 
-            with queue.attempt(lease=lease) as attempt:
-                if not attempt.duplicate:
-                    attempt.connection.execute("INSERT INTO results ...")
-                    attempt.result = {"rows": 1}
+                with queue.attempt(lease=lease) as attempt:
+                    if not attempt.duplicate:
+                        attempt.connection.execute("INSERT INTO results ...")
+                        attempt.result = {"rows": 1}
         """
         target = attempt_target(key, lease)
         if lease is not None:

@@ -27,11 +27,12 @@ class LeaseQueueSettings(BaseSettings):
     name in capitals (``LEASEQUEUE_DSN``, ``LEASEQUEUE_LEASE_SECONDS``, ...) or by the same
     names in a ``.env`` file in the working directory. Keyword arguments win over both.
 
-    Example::
+    Example:
+        .. code-block:: python
 
-        settings = LeaseQueueSettings(lease_seconds=60)
-        with LeaseQueue.from_settings(settings) as queue:
-            queue.install()
+            settings = LeaseQueueSettings(lease_seconds=60)
+            with LeaseQueue.from_settings(settings) as queue:
+                queue.install()
     """
 
     model_config = SettingsConfigDict(
