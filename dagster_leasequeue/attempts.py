@@ -206,7 +206,9 @@ def _run(
         ) from None
     except BaseException as exc:
         _record_failure(conn, driver, attempt, exc)
-        if lease is not None and not isinstance(exc, LeaseLost):
+        # An interrupt is not the task's fault: the lease is left to its holder (`with
+        # lease` releases it), so the task keeps its attempts.
+        if lease is not None and isinstance(exc, Exception) and not isinstance(exc, LeaseLost):
             _fail_lease(conn, driver, lease, exc)
         raise
     if lease is not None:

@@ -30,8 +30,9 @@ class Lease:
     processing under this lease's token, and otherwise raise :class:`LeaseLost`.
 
     As a context manager the lease renews itself in the background while the block runs,
-    acks when the block ends normally (unless already acked) and fails the task, then
-    re-raises, when the block raises::
+    acks when the block ends normally (unless already concluded) and fails the task, then
+    re-raises, when the block raises an Exception; an interrupt (KeyboardInterrupt,
+    SystemExit) releases the task instead, without using up an attempt::
 
         lease = queue.claim()
         if lease is not None:
@@ -221,11 +222,14 @@ class Lease:
         if exc is None:
             self.ack()
             return
+        # An interrupt (Ctrl-C, a stop signal, SystemExit) is not the task's fault: the task
+        # goes back unharmed instead of using up an attempt.
+        give_back = self.release if not isinstance(exc, Exception) else lambda: self.fail(exc)
         try:
-            self.fail(exc)
-        except LeaseQueueError as fail_error:
+            give_back()
+        except LeaseQueueError as error:
             # The block's own exception is the one the caller needs to see.
-            logger.warning("could not fail task %s after an error: %s", self.task_id, fail_error)
+            logger.warning("could not give back task %s after %r: %s", self.task_id, exc, error)
 
     def _stop_renewing(self) -> None:
         renewer, self._renewer = self._renewer, None

@@ -192,11 +192,7 @@ def run_worker(
             if shutdown.requested.is_set():
                 # The stop came while this claim was on its way: hand the task straight
                 # back, without using up one of its attempts.
-                lease.release()
-                logger.info(
-                    "task %s released for another worker: the worker is stopping", lease.task_id
-                )
-                summary.add("released")
+                summary.add(_release(lease))
                 break
             summary.add(_process(lease, work, shutdown))
     return summary
@@ -211,7 +207,9 @@ def _process(lease: Lease, handler: Handler, shutdown: _Shutdown) -> str:
     try:
         # `with lease` renews in the background and fails the task if the block raises.
         with lease:
-            lease.ack(_run_interruptibly(lease, handler, shutdown))
+            result = shutdown.run_handler(handler, lease)
+            if not lease.finished:  # the handler may have concluded it (an attempt acks)
+                lease.ack(result)
     except _Aborted:
         logger.warning("task %s released for another worker", lease.task_id)
         return "released"
@@ -235,23 +233,23 @@ def _process(lease: Lease, handler: Handler, shutdown: _Shutdown) -> str:
     return "done"
 
 
-def _run_interruptibly(
-    lease: Lease, handler: Handler, shutdown: _Shutdown
-) -> dict[str, Any] | None:
+def _release(lease: Lease) -> str:
     try:
-        return shutdown.run_handler(handler, lease)
-    except _Aborted:
-        # Nothing is wrong with the task: it is due again at once, and this claim does not
-        # count against its attempts (a fail would, and would kill it on its last one).
         lease.release()
-        raise
+    except LeaseQueueError as exc:
+        # Not released: the sweeper recovers it once its lease ends.
+        logger.warning("task %s could not be released: %s", lease.task_id, exc)
+        return "lost"
+    logger.info("task %s released for another worker: the worker is stopping", lease.task_id)
+    return "released"
 
 
 class _Aborted(KeyboardInterrupt):
     """Raised inside the handler by a second signal.
 
-    A KeyboardInterrupt, so a handler's ``except Exception`` lets it by and psycopg cancels
-    a query the handler is waiting on.
+    A KeyboardInterrupt, so a handler's ``except Exception`` lets it by, psycopg cancels a
+    query the handler is waiting on, an attempt rolls back without failing the task, and
+    ``with lease`` releases the task rather than failing it.
     """
 
 

@@ -55,3 +55,46 @@ def test_run_worker_refuses_bad_options(
 def test_a_handler_must_be_callable(queue: LeaseQueue) -> None:
     with pytest.raises(ConfigurationError, match="callable"):
         run_worker(queue, "not a function", burst=True)  # type: ignore[arg-type]
+
+
+def test_a_stop_during_an_attempt_releases_the_task_and_keeps_its_attempts(
+    queue: LeaseQueue,
+) -> None:
+    import os
+    import signal
+    import time
+
+    task_id = queue.enqueue({"n": 1}, max_attempts=1)
+    started = threading.Event()
+
+    def write_slowly(payload: dict[str, Any], lease: Lease) -> None:
+        with queue.attempt(lease=lease) as attempt:
+            attempt.connection.execute("SELECT 1")
+            started.set()
+            time.sleep(30)
+
+    def deploy() -> None:
+        started.wait(10)
+        os.kill(os.getpid(), signal.SIGTERM)  # stop after this task
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)  # no, now
+
+    stopper = threading.Thread(target=deploy)
+    stopper.start()
+    summary = run_worker(queue, write_slowly, burst=True)
+    stopper.join()
+    assert summary.outcomes == {"released": 1}
+    task = queue.get(task_id)
+    assert (task.status, task.attempts) == ("enqueued", 0)
+    assert [r.outcome for r in queue.attempts(task_id=task_id)] == ["failed"]
+
+
+def test_a_handler_that_concludes_its_own_task_counts_as_done(queue: LeaseQueue) -> None:
+    task_id = queue.enqueue({"n": 1})
+
+    def through_an_attempt(payload: dict[str, Any], lease: Lease) -> None:
+        with queue.attempt(lease=lease) as attempt:
+            attempt.result = {"n": payload["n"]}
+
+    assert run_worker(queue, through_an_attempt, burst=True).outcomes == {"done": 1}
+    assert queue.get(task_id).result == {"n": 1}
