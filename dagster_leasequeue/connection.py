@@ -28,18 +28,25 @@ from .schema import not_installed
 logger = logging.getLogger(__name__)
 
 
-def connection_options(*, connect_timeout: float, prepared_statements: bool) -> dict[str, Any]:
-    """Keyword arguments for every connection the package opens."""
-    # libpq counts whole seconds and treats values below 2 as 2.
+def connection_options(
+    *, connect_timeout: float, prepared_statements: bool, network_timeout: float
+) -> dict[str, Any]:
+    """Keyword arguments for every connection the package opens.
+
+    ``network_timeout`` bounds how long a call waits on a dead network path (a cut link
+    drops packets without a word, and TCP alone retries for many minutes): data sent and
+    not acknowledged for that long (``tcp_user_timeout``), or a silent peer probed by
+    keepalives for about that long, breaks the connection and the call raises.
+    """
+    seconds = max(1, math.ceil(network_timeout))
     options: dict[str, Any] = {
         "autocommit": True,
+        # libpq counts whole seconds and treats values below 2 as 2.
         "connect_timeout": max(2, math.ceil(connect_timeout)),
-        # Notice a peer that vanished (a crashed host, a dropped network path) within about
-        # a minute instead of the kernel's default hours, so a worker's renewals and claims
-        # fail and it can stop, rather than hang.
+        "tcp_user_timeout": seconds * 1000,
         "keepalives": 1,
-        "keepalives_idle": 30,
-        "keepalives_interval": 10,
+        "keepalives_idle": max(1, seconds // 3),
+        "keepalives_interval": max(1, seconds // 6),
         "keepalives_count": 3,
     }
     if not prepared_statements:

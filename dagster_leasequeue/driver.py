@@ -42,6 +42,7 @@ class QueueDriver:
         self.options = connection_options(
             connect_timeout=settings.connect_timeout,
             prepared_statements=settings.prepared_statements,
+            network_timeout=settings.network_timeout_seconds(),
         )
         self._pool: ConnectionPool[QueueConnection] = open_pool(
             dsn,

@@ -69,6 +69,15 @@ class LeaseQueueSettings(BaseSettings):
     connect_timeout: float = Field(
         default=5.0, gt=0, le=300, description="Seconds to wait for a connection before failing."
     )
+    network_timeout: float | None = Field(
+        default=None,
+        ge=1,
+        le=3600,
+        description=(
+            "Seconds a call may wait on a dead network path before its connection is "
+            "dropped (TCP user timeout and keepalives). Unset: the lease length, at most 30."
+        ),
+    )
     pool_size: int = Field(
         default=4, ge=1, le=1000, description="Largest number of pooled connections."
     )
@@ -111,6 +120,16 @@ class LeaseQueueSettings(BaseSettings):
     @classmethod
     def _check_schema_name(cls, value: str) -> str:
         return validate_schema_name(value)
+
+    def network_timeout_seconds(self) -> float:
+        """The network timeout in force: the setting, else the lease length, at most 30 s.
+
+        At or below the lease, a worker cut off from the database finds its calls failing
+        before another worker can have its task.
+        """
+        if self.network_timeout is not None:
+            return self.network_timeout
+        return min(self.lease_seconds, 30.0)
 
     def dsn_value(self) -> str | None:
         """The DSN as plain text, or None for the embedded server."""
