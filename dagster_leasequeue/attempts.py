@@ -97,6 +97,11 @@ class AttemptTarget:
             return f"key:{self.key}"
         return f"queue:{len(self.queue)}:{self.queue}:{self.key}"
 
+    @property
+    def legacy_identity(self) -> str | None:
+        """Where records of an earlier release with this key live (see migration 5)."""
+        return None if self.key is None else f"legacy:{self.key}"
+
 
 def attempt_target(key: str | None, lease: Lease | None) -> AttemptTarget:
     """The target of an attempt: the given key, else the lease's task (see AttemptTarget)."""
@@ -144,6 +149,7 @@ def run_attempt(
                 driver.statement(sql.BEGIN_ATTEMPT),
                 {
                     "identity": target.identity,
+                    "legacy_identity": target.legacy_identity,
                     "queue": target.queue,
                     "key": target.key,
                     "task_id": target.task_id,
@@ -274,7 +280,11 @@ def _adopt_success(
     """The key succeeded elsewhere while this attempt ran: it becomes a duplicate."""
     with driver.errors:
         row = conn.execute(
-            driver.statement(sql.SUCCESS_FOR_IDENTITY), {"identity": attempt.target.identity}
+            driver.statement(sql.SUCCESS_FOR_IDENTITY),
+            {
+                "identity": attempt.target.identity,
+                "legacy_identity": attempt.target.legacy_identity,
+            },
         ).fetchone()
         attempt.duplicate = True
         attempt.result = row[0] if row else None

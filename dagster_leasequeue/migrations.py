@@ -26,12 +26,16 @@ class Migration(NamedTuple):
 # What an attempt is an attempt at, as one text: a task without idempotency key is its own
 # work ("task:" + id); a key the caller chose is its own space ("key:" + key); else the
 # task's queue and idempotency key ("queue:" + the queue's length + ":" + queue + ":" +
-# key). The prefixes
-# and the length make it injective: no key a caller chooses reaches another's space.
-# AttemptTarget.identity (attempts.py) computes the same text in Python.
+# key). The prefixes and the length make it injective: no key a caller chooses reaches
+# another's space. AttemptTarget.identity (attempts.py) computes the same text in Python.
+#
+# A record of an earlier release that cannot be given a task (a key the caller chose, or a
+# task since purged) keeps the meaning it had: its key named the same work in every queue.
+# Its identity is "legacy:" + key, which every attempt with that key also looks at
+# (AttemptTarget.legacy_identity).
 _ATTEMPT_IDENTITY = """
     CASE WHEN key IS NULL THEN 'task:' || task_id
-         WHEN queue IS NULL THEN 'key:' || key
+         WHEN queue IS NULL THEN 'legacy:' || key
          ELSE 'queue:' || length(queue) || ':' || queue || ':' || key END
 """
 
@@ -193,7 +197,8 @@ MIGRATIONS: tuple[Migration, ...] = (
             # Until now a leased attempt's key was the task's idempotency key, else
             # "<queue>:<task id>", in one space with the keys callers chose. Records that
             # name their task and carry its default key move to that task's space; the
-            # rest (a key chosen by the caller, or a task since purged) keep their key.
+            # rest (a key chosen by the caller, or a task since purged) stay in that one
+            # space ("legacy:").
             """
             UPDATE {schema}.attempts AS a
             SET queue = t.queue,
@@ -205,6 +210,23 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
             "UPDATE {schema}.attempts SET identity = " + _ATTEMPT_IDENTITY,
             "ALTER TABLE {schema}.attempts ALTER COLUMN identity SET NOT NULL",
+            # A worker of the earlier release, still running during a rolling upgrade,
+            # records attempts without an identity: they keep their old meaning.
+            """
+            CREATE FUNCTION {schema}.attempt_of_an_earlier_release() RETURNS trigger
+            LANGUAGE plpgsql AS $$
+            BEGIN
+                NEW.identity := 'legacy:' || NEW.key;
+                RETURN NEW;
+            END
+            $$
+            """,
+            """
+            CREATE TRIGGER attempts_of_an_earlier_release
+                BEFORE INSERT ON {schema}.attempts
+                FOR EACH ROW WHEN (NEW.identity IS NULL)
+                EXECUTE FUNCTION {schema}.attempt_of_an_earlier_release()
+            """,
             "DROP INDEX {schema}.attempts_success_idx",
             "DROP INDEX {schema}.attempts_key_idx",
             "CREATE INDEX attempts_identity_idx ON {schema}.attempts (identity)",

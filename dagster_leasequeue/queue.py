@@ -642,7 +642,8 @@ class LeaseQueue:
                 target = AttemptTarget(queue=queue, key=check_key(key), task_id=None)
             cursor = conn.cursor(row_factory=class_row(AttemptRecord))
             return cursor.execute(
-                self._driver.statement(sql.ATTEMPTS_FOR_IDENTITY), {"identity": target.identity}
+                self._driver.statement(sql.ATTEMPTS_FOR_IDENTITY),
+                {"identity": target.identity, "legacy_identity": target.legacy_identity},
             ).fetchall()
 
     @contextmanager

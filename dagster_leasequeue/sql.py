@@ -441,7 +441,7 @@ BEGIN_ATTEMPT = """
         SELECT count(*) AS n,
                bool_or(outcome = 'succeeded') AS succeeded,
                (array_agg(result) FILTER (WHERE outcome = 'succeeded'))[1] AS result
-        FROM {schema}.attempts WHERE identity = %(identity)s
+        FROM {schema}.attempts WHERE identity IN (%(identity)s, %(legacy_identity)s)
     )
     INSERT INTO {schema}.attempts
         (identity, queue, key, attempt, task_id, worker_id, outcome, finished_at)
@@ -473,13 +473,13 @@ FINISH_ATTEMPT = """
 
 SUCCESS_FOR_IDENTITY = """
     SELECT result FROM {schema}.attempts
-    WHERE identity = %(identity)s AND outcome = 'succeeded'
+    WHERE identity IN (%(identity)s, %(legacy_identity)s) AND outcome = 'succeeded'
 """
 
 ATTEMPTS_FOR_IDENTITY = """
     SELECT id, key, attempt, task_id, worker_id, outcome, error, result, started_at,
            finished_at, queue
-    FROM {schema}.attempts WHERE identity = %(identity)s ORDER BY id
+    FROM {schema}.attempts WHERE identity IN (%(identity)s, %(legacy_identity)s) ORDER BY id
 """
 
 # The identity of a task's work: its queue and idempotency key, else the task itself.

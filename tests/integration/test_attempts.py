@@ -429,21 +429,27 @@ def test_the_migration_keeps_what_attempt_records_mean(
                 {"version": migration.version, "description": migration.description},
             )
         tasks = f'"{schema_name}".tasks'
-        keyed, keyless, gone = (
+        keyed, keyless, gone, gone_keyed = (
             conn.execute(
                 f"INSERT INTO {tasks} (queue, payload, idempotency_key, max_attempts, status)"
                 " VALUES (%s, '{}', %s, 3, 'done') RETURNING id",
                 (queue_name, key),
             ).fetchone()[0]  # type: ignore[index]
-            for queue_name, key in [("email", "user-42"), ("email", None), ("email", None)]
+            for queue_name, key in [
+                ("email", "user-42"),
+                ("email", None),
+                ("email", None),
+                ("billing", "invoice-7"),
+            ]
         )
-        conn.execute(f"DELETE FROM {tasks} WHERE id = %s", (gone,))
+        conn.execute(f"DELETE FROM {tasks} WHERE id = ANY(%s)", ([gone, gone_keyed],))
         old_records = [
             ("user-42", keyed),  # a task's idempotency key
             (f"email:{keyless}", keyless),  # a keyless task's default key
             ("chosen", None),  # a key of the caller's own
             ("chosen-with-lease", keyed),  # a key of the caller's own, given with a lease
-            (f"email:{gone}", gone),  # a task since purged
+            (f"email:{gone}", gone),  # a keyless task since purged
+            ("invoice-7", gone_keyed),  # a keyed task since purged
         ]
         for key, task_id in old_records:
             conn.execute(
@@ -461,6 +467,21 @@ def test_the_migration_keeps_what_attempt_records_mean(
     assert [r.task_id for r in queue.attempts("chosen")] == [None]
     assert [r.task_id for r in queue.attempts("chosen-with-lease")] == [keyed]
     assert [r.key for r in queue.attempts(f"email:{gone}")] == [f"email:{gone}"]
+    # A record whose task is gone keeps its old meaning: the key's work, in every queue.
+    for queue_name in ("billing", "reports"):
+        queue.enqueue({"to": "x"}, queue=queue_name, idempotency_key="invoice-7")
+        old_lease = queue.claim(queue=queue_name)
+        assert old_lease is not None
+        with queue.attempt(lease=old_lease) as attempt:
+            assert attempt.duplicate
+    with queue.attempt("invoice-7") as attempt:
+        assert attempt.duplicate
+    # A worker of the earlier release, during a rolling upgrade, still records attempts.
+    run_sql(
+        queue,
+        "INSERT INTO {schema}.attempts (key, attempt, outcome) VALUES ('old-worker', 1, 'running')",
+    )
+    assert [r.outcome for r in queue.attempts("old-worker")] == ["running"]
     # The migrated success still makes a new task of the same queue and key a duplicate.
     queue.enqueue({"to": "user-42"}, queue="email", idempotency_key="user-42")
     lease = queue.claim(queue="email")
