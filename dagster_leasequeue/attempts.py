@@ -21,7 +21,7 @@ import psycopg
 from psycopg import errors as pg_errors, pq
 
 from . import sql
-from .connection import CachedConnection, Executor, reset_session
+from .connection import CachedConnection, Executor, deallocate_leftovers, reset_session
 from .driver import QueueDriver
 from .errors import (
     ConfigurationError,
@@ -256,7 +256,7 @@ def _conclude(
         "result": encoded_result,
     }
     try:
-        cached.execute_script(driver.statement(script), params)
+        cursor = cached.execute_script(driver.statement(script), params)
     except psycopg.Error as exc:
         # Only the success index means another attempt won; the caller's own unique
         # constraints (deferred ones fail at COMMIT) are errors like any other.
@@ -272,6 +272,11 @@ def _conclude(
                 lease._raise_lost_on(cached, "ack")
         with driver.errors:
             raise
+    # Committed: a failure to drop what the borrower PREPAREd only costs the connection.
+    try:
+        deallocate_leftovers(cursor)
+    except psycopg.Error:
+        cached.conn.close()  # the pool discards a closed connection
 
 
 def _adopt_success(

@@ -12,10 +12,10 @@ from types import TracebackType
 from typing import Any, NamedTuple, Protocol
 
 import psycopg
-from psycopg import IsolationLevel, Transaction, errors as pg_errors, generators, pq
+from psycopg import IsolationLevel, Transaction, errors as pg_errors, generators, pq, sql as pg_sql
 from psycopg.abc import Dumper, Loader, Params, PQGen
 from psycopg.adapt import AdaptersMap
-from psycopg.rows import RowFactory
+from psycopg.rows import RowFactory, tuple_row
 from psycopg.types import TypeInfo, TypesRegistry
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -399,15 +399,16 @@ class CachedConnection:
             cursor = self._cursor_for(query)
         return cursor.execute(query, params)
 
-    def execute_script(self, script: str, params: Params) -> None:
+    def execute_script(self, script: str, params: Params) -> psycopg.ClientCursor[Any]:
         """Run several statements in one round trip, their values bound by the client.
 
         psycopg quotes each value; the server parses the text each time and prepares
         nothing, so a script should call functions or statements that are cheap to plan.
+        The cursor holds the result of each statement (``nextset()`` moves on).
         """
         if self._script is None:
-            self._script = psycopg.ClientCursor(self.conn)
-        self._script.execute(script, params, prepare=False)
+            self._script = psycopg.ClientCursor(self.conn, row_factory=tuple_row)
+        return self._script.execute(script, params, prepare=False)
 
     def _cursor_for(self, query: str) -> psycopg.Cursor[Any]:
         if len(self._cursors) < self.MAX_CURSORS:
@@ -570,9 +571,28 @@ def reset_session(conn: psycopg.Connection[Any]) -> None:
         conn.autocommit = True
         # Several statements in one simple query; never prepared (a prepared statement
         # holds one).
-        conn.execute(sql.RESET_SESSION, prepare=False)
+        cursor = conn.cursor(row_factory=tuple_row)  # whatever row factory the borrower set
+        deallocate_leftovers(cursor.execute(sql.RESET_SESSION, prepare=False))
     except psycopg.Error:
         conn.close()  # the pool discards a closed connection
+
+
+def deallocate_leftovers(cursor: psycopg.Cursor[Any]) -> None:
+    """Drop the statements a borrower PREPAREd, named by the last result of RESET_SESSION
+    on ``cursor``: one more round trip, only when there are any."""
+    while cursor.nextset():
+        pass
+    row = cursor.fetchone()
+    names: list[str] = row[-1] if row else []
+    if names:
+        conn = cursor.connection
+        conn.execute(
+            "; ".join(f"DEALLOCATE {pg_sql.Identifier(name).as_string(None)}" for name in names),
+            prepare=False,
+        )
+        # Out of autocommit (an attempt's conclusion), psycopg began a transaction for it.
+        if conn.info.transaction_status != _IDLE:
+            conn.commit()
 
 
 class SharedConnection:

@@ -491,18 +491,19 @@ TASK_ATTEMPT_KEY = "SELECT queue, idempotency_key FROM {schema}.tasks WHERE id =
 # What a borrower may have done to a lent connection is undone before it is used again:
 # settings (a search path, a timeout), the role (which RESET ALL leaves alone), session
 # advisory locks and LISTENs, cursors WITH HOLD, temporary tables, and the statements it
-# PREPAREd. psycopg's own prepared statements (prepared by protocol, so not from_sql) are
-# kept: DEALLOCATE ALL would drop them and make psycopg forget them all. DISCARD ALL is
-# not used: it cannot run in a query of several statements, which is a transaction block.
+# PREPAREd. Its last statement names the statements a borrower PREPAREd (from_sql; psycopg
+# prepares its own by protocol), which connection.deallocate_leftovers drops in a second
+# round trip, only when there are any: DEALLOCATE ALL would drop psycopg's own statements
+# too and make it forget them all, and a loop in PL/pgSQL would cost every reset and need
+# the language. DISCARD ALL is not used: it cannot run in a query of several statements,
+# which is a transaction block.
 # It all runs in the round trip that ends an attempt or a loan, inside or after its
 # transaction, and leaves nothing in the session (behind PgBouncer included). No % nor
 # braces: the text goes through the client's parameter binding and sql.SQL.
 RESET_SESSION = (
-    "RESET ALL; RESET ROLE; RESET SESSION AUTHORIZATION; UNLISTEN *;"
-    " SELECT pg_advisory_unlock_all(); CLOSE ALL; DISCARD TEMP;"
-    " DO $$DECLARE statement text; BEGIN"
-    " FOR statement IN SELECT p.name FROM pg_catalog.pg_prepared_statements p WHERE p.from_sql"
-    " LOOP EXECUTE 'DEALLOCATE ' || pg_catalog.quote_ident(statement); END LOOP; END$$"
+    "RESET ALL; RESET ROLE; RESET SESSION AUTHORIZATION; UNLISTEN *; CLOSE ALL; DISCARD TEMP;"
+    " SELECT pg_advisory_unlock_all(),"
+    " ARRAY(SELECT name FROM pg_catalog.pg_prepared_statements WHERE from_sql)"
 )
 
 # How an attempt ends when its work is done: the success mark (attempt_id; NULL for a
