@@ -86,6 +86,7 @@ class Listener:
         deadline = time.monotonic() + timeout
         if not self._lock.acquire(timeout=timeout):
             return self._received  # the thread holding it read for us meanwhile
+        unreachable = False
         try:
             conn = self._ensure()
             if self._received == mark:
@@ -97,9 +98,14 @@ class Listener:
                 self._drain(conn)
         except psycopg.OperationalError:
             self._discard()  # reopened, and listening again, on the next call
+            unreachable = True
         finally:
             self._last_used = time.monotonic()
             self._lock.release()
+        if unreachable:
+            # No connection to listen on: sleep out the wait (outside the lock), so that a
+            # waiting claim polls at its pace instead of spinning on failed connects.
+            time.sleep(max(0.0, deadline - time.monotonic()))
         return self._received
 
     def close(self) -> None:
