@@ -31,6 +31,7 @@ from .errors import (
     describe_error,
 )
 from .lease import Lease
+from .validation import check_key
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +108,7 @@ def attempt_target(key: str | None, lease: Lease | None) -> AttemptTarget:
     """The target of an attempt: the given key, else the lease's task (see AttemptTarget)."""
     task_id = lease.task_id if lease is not None else None
     if key is not None:
-        if not isinstance(key, str) or not key:
-            raise ConfigurationError(f"an attempt key must be a non-empty string, got {key!r}")
-        return AttemptTarget(queue=None, key=key, task_id=task_id)
+        return AttemptTarget(queue=None, key=check_key(key, "an attempt's key"), task_id=task_id)
     if lease is None:
         raise ConfigurationError("attempt() needs a key, a lease, or both")
     return AttemptTarget(queue=lease.queue, key=lease.idempotency_key, task_id=task_id)

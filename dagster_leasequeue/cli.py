@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ ENQUEUE_CHUNK = 1000
 class _Config:
     """The global options, and the queue opened for this invocation (on first use)."""
 
-    dsn: str | None
+    dsn: str | None = field(repr=False)  # it may hold a password
     schema: str | None
     data_dir: Path | None = None
     queue: LeaseQueue | None = None

@@ -23,6 +23,9 @@ MAX_DELAY_SECONDS = 10**9
 MAX_ROWS = 2**31 - 1
 # Claims before a task is dead.
 MAX_ATTEMPTS = 10_000
+# Keys are indexed (with the queue's name, at most 200 characters): a btree entry holds
+# at most about 2,700 bytes, and a character takes up to 4.
+MAX_KEY_LENGTH = 400
 # A schema name needs no quoting and fits PostgreSQL's 63-byte identifiers.
 SCHEMA_NAME_PATTERN = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -35,7 +38,7 @@ def check_seconds(
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not math.isfinite(value)
+        or not math.isfinite(max(min(value, maximum + 1), -1))  # ints too large for floats
         or value < 0
         or (value == 0 and not allow_zero)
         or value > maximum
@@ -71,11 +74,22 @@ def check_priority(priority: int) -> int:
     return priority
 
 
-def check_key(key: str | None) -> str | None:
-    """An idempotency key: a non-empty string without NUL, or None."""
-    if key is not None and (not isinstance(key, str) or not key or "\x00" in key):
-        raise ConfigurationError(f"idempotency_key must be a non-empty string, got {key!r}")
+def check_key(key: str | None, name: str = "idempotency_key") -> str | None:
+    """A key (an idempotency key, an attempt's key): a non-empty string without NUL, of at
+    most MAX_KEY_LENGTH characters, or None."""
+    if key is not None and (
+        not isinstance(key, str) or not key or "\x00" in key or len(key) > MAX_KEY_LENGTH
+    ):
+        raise ConfigurationError(
+            f"{name} must be a non-empty string of up to {MAX_KEY_LENGTH} characters without "
+            f"NUL, got {_shown(key)}"
+        )
     return key
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_lease_seconds(value: float | None) -> float | None:
