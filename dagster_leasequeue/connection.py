@@ -599,7 +599,9 @@ class SharedConnection:
     """One autocommit connection shared by threads for short statements, opened on first use.
 
     It is reopened when found closed or broken, so a restarted server costs one failed
-    statement, not a stuck worker.
+    statement, not a stuck worker. A caller that finds it busy for longer than its
+    ``wait`` (a statement stuck on a row lock or a dying network path) gets a connection
+    of its own for that one use, so one stuck statement never holds up the others.
     """
 
     def __init__(self, dsn: str, options: dict[str, Any]) -> None:
@@ -609,11 +611,17 @@ class SharedConnection:
         self._conn: psycopg.Connection[Any] | None = None
 
     @contextmanager
-    def use(self) -> Iterator[psycopg.Connection[Any]]:
-        with self._lock:
-            if self._conn is None or self._conn.closed or self._conn.broken:
-                self._conn = psycopg.connect(self._dsn, **self._options)
-            yield self._conn
+    def use(self, *, wait: float | None = None) -> Iterator[psycopg.Connection[Any]]:
+        if self._lock.acquire(timeout=-1 if wait is None else wait):
+            try:
+                if self._conn is None or self._conn.closed or self._conn.broken:
+                    self._conn = psycopg.connect(self._dsn, **self._options)
+                yield self._conn
+            finally:
+                self._lock.release()
+            return
+        with psycopg.connect(self._dsn, **self._options) as conn:
+            yield conn
 
     def close(self) -> None:
         with self._lock:

@@ -92,8 +92,9 @@ class QueueDriver:
             self._connections.release(cached)
 
     @contextmanager
-    def renewal_connection(self) -> Iterator[psycopg.Connection[Any]]:
-        with self.errors, self._renewals.use() as conn:
+    def renewal_connection(self, *, wait: float) -> Iterator[psycopg.Connection[Any]]:
+        """The connection renewals share; one of its own after ``wait`` seconds busy."""
+        with self.errors, self._renewals.use(wait=wait) as conn:
             yield conn
 
     def encode_result(self, result: Mapping[str, Any] | None) -> str | None:

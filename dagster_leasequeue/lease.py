@@ -193,7 +193,10 @@ class Lease:
             sent = time.monotonic()
             # Renewals have a connection of their own: a worker whose pooled connections
             # are all busy (an attempt holds one) must still keep its leases.
-            with self._driver.renewal_connection() as conn:
+            # Another lease's renewal stuck on the shared connection must not hold this
+            # one up past a small part of the lease.
+            wait = min(1.0, self.lease_seconds / 4)
+            with self._driver.renewal_connection(wait=wait) as conn:
                 row = conn.execute(self._statement(sql.RENEW), params).fetchone()
                 if row is None:
                     self._raise_lost_on(conn, "renew")

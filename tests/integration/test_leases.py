@@ -377,3 +377,26 @@ def test_release_inside_the_lease_block_ends_it_quietly(queue: LeaseQueue) -> No
     assert queue.get(task_id).status == "enqueued"
     with pytest.raises(LeaseLost, match="already released"):
         lease.ack()
+
+
+def test_a_stuck_renewal_never_holds_up_another_leases_renewal(dsn: str, queue: LeaseQueue) -> None:
+    import psycopg
+
+    first, second = queue.enqueue_many([{"n": 1}, {"n": 2}])
+    leases = {lease.task_id: lease for lease in queue.claim_many(2, lease_seconds=8)}
+    with psycopg.connect(dsn) as holder:
+        # The first lease's row is locked: its renewal waits on the shared connection.
+        holder.execute(f'SELECT 1 FROM "{queue.schema}".tasks WHERE id = %s FOR UPDATE', (first,))
+        stuck = threading.Thread(target=leases[first].renew)
+        stuck.start()
+        time.sleep(0.3)
+        other = threading.Thread(target=leases[second].renew)
+        other.start()
+        other.join(timeout=2.5)
+        renewed_meanwhile = not other.is_alive()  # not only once the first is let go
+        holder.commit()
+    stuck.join(timeout=10)
+    other.join(timeout=10)
+    assert renewed_meanwhile
+    for lease in leases.values():
+        lease.ack()
