@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pgserver  # type: ignore[import-untyped]
@@ -47,7 +48,20 @@ class OwnServer:
 
     def start(self) -> None:
         options = f"-h 127.0.0.1 -p {self.port} -k {self.data}"
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "start")
+        command = ("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w")
+        # Right after a crash the port or the shared memory of the old server can take a
+        # moment to be let go: try again before giving up, and then show why.
+        for _ in range(2):
+            try:
+                self._run(*command, "start")
+                return
+            except subprocess.CalledProcessError:
+                time.sleep(1)
+        try:
+            self._run(*command, "start")
+        except subprocess.CalledProcessError as exc:
+            log = self.log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the test's server did not start:\n{log}") from exc
 
     def crash(self) -> None:
         """Stop at once, as a power cut would: no checkpoint, recovery from WAL at start."""
