@@ -128,10 +128,19 @@ def describe(dsn: str) -> str:
             else ""
         )
         raise ConfigurationError(_invalid(f"a port is not a number from 1 to 65535{hint}"))
-    host = str(params.get("host") or "localhost")
-    port = ports or "5432"
+    # Several hosts (libpq's failover): each with its port, or all with the one port given.
+    hosts = str(params.get("host") or params.get("hostaddr") or "localhost").split(",")
+    port_list = ports.split(",") if ports else ["5432"]
+    if len(port_list) == 1:
+        port_list *= len(hosts)
+    if len(port_list) != len(hosts):
+        raise ConfigurationError(_invalid("it gives a number of ports other than its hosts'"))
+    places = [
+        f"socket {host or '/tmp'}" if not host or host.startswith("/") else f"{host}:{port or 5432}"
+        for host, port in zip(hosts, port_list, strict=True)
+    ]
+    where = ",".join(places)
     dbname = str(params.get("dbname") or params.get("user") or "")
-    where = f"socket {host}" if host.startswith("/") else f"{host}:{port}"
     return f"{where}/{dbname}" if dbname else where
 
 

@@ -259,3 +259,25 @@ def test_redact_hides_the_whole_password_of_a_malformed_url() -> None:
     dsn = f"postgresql://alice:{token(1)} mango@127.0.0.1:5432/app"
     text = redact(f'unexpected spaces found in "{token(1)} mango"', dsn)
     assert token(1) not in text and "mango" not in text
+
+
+@pytest.mark.parametrize(
+    ("dsn", "where"),
+    [
+        ("host=h1,h2 port=5432,5433 dbname=db", "h1:5432,h2:5433/db"),
+        ("postgresql://app@h1,h2/db", "h1:5432,h2:5432/db"),
+        (
+            "postgresql://app@h1:6432,h2:6433/db?target_session_attrs=read-write",
+            "h1:6432,h2:6433/db",
+        ),
+        ("host=/tmp,h2 port=5432 dbname=x", "socket /tmp,h2:5432/x"),
+        ("hostaddr=10.0.0.1 dbname=d", "10.0.0.1:5432/d"),
+    ],
+)
+def test_a_dsn_with_several_hosts_names_each_with_its_port(dsn: str, where: str) -> None:
+    assert describe(dsn) == where
+
+
+def test_a_dsn_whose_ports_do_not_match_its_hosts_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="number of ports"):
+        describe("host=h1,h2,h3 port=1,2 dbname=db")
