@@ -257,7 +257,13 @@ def _without(handlers: tuple[Any, ...], callback: Any) -> tuple[Any, ...]:
 
 
 def open_pool(
-    dsn: str, *, pool_size: int, connect_timeout: float, options: dict[str, Any], name: str
+    dsn: str,
+    *,
+    pool_size: int,
+    connect_timeout: float,
+    network_timeout: float,
+    options: dict[str, Any],
+    name: str,
 ) -> ConnectionPool[QueueConnection]:
     """Open a pool of autocommit connections, failing fast with a clear error.
 
@@ -282,7 +288,10 @@ def open_pool(
         kwargs=options,
         configure=QueueConnection.remember_settings,
         reset=_restore_settings,
-        timeout=max(connect_timeout, 30.0),
+        # How long a call waits for a connection: while the server is unreachable the pool
+        # retries in the background, and a call gives up after one connect attempt and
+        # one network timeout, so it never waits much past its lease.
+        timeout=connect_timeout + network_timeout,
         reconnect_timeout=max(connect_timeout * 12, 60.0),
         name=name,
         open=False,

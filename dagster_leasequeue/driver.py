@@ -48,6 +48,7 @@ class QueueDriver:
             dsn,
             pool_size=settings.pool_size,
             connect_timeout=settings.connect_timeout,
+            network_timeout=settings.network_timeout_seconds(),
             options=self.options,
             name=f"leasequeue-{schema}",
         )

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from dagster_leasequeue import DatabaseUnavailable, LeaseQueue
+from dagster_leasequeue import DatabaseUnavailable, LeaseQueue, LeaseQueueSettings
 from dagster_leasequeue.connection import CachedConnection
 
 from ..helpers import run_sql
+from ..own_server import OwnServer
 
 
 def backend_pid(queue: LeaseQueue) -> int:
@@ -152,3 +155,26 @@ def test_each_statement_keeps_its_own_cursor_and_results_stay_apart(queue: Lease
         assert len({id(cursor) for cursor in cursors[CachedConnection.MAX_CURSORS :]}) == 1
         # Running one statement leaves the results of the others unread and intact.
         assert [cursor.fetchone() for cursor in kept] == [(n + 1,) for n in range(len(kept))]
+
+
+def test_a_call_while_the_server_is_down_fails_within_its_timeouts(tmp_path: Path) -> None:
+    server = OwnServer(tmp_path)
+    server.start()
+    settings = LeaseQueueSettings(
+        lease_seconds=3, connect_timeout=2, data_dir=tmp_path / "unused", _env_file=None
+    )
+    queue = LeaseQueue(server.dsn, settings=settings)
+    try:
+        queue.install()
+        server.crash()
+        started = time.monotonic()
+        with pytest.raises(DatabaseUnavailable):
+            queue.stats()
+        with pytest.raises(DatabaseUnavailable):
+            queue.enqueue({"n": 1})
+        # One connect attempt and one network timeout each, not the pool's old 30 s.
+        assert time.monotonic() - started < 2 * (2 + 3) + 4
+    finally:
+        queue.close()
+        with contextlib.suppress(Exception):
+            server.stop()
