@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,7 @@ import click
 
 from dagster_leasequeue import (
     ConfigurationError,
+    DatabaseUnavailable,
     LeaseQueue,
     LeaseQueueError,
     LeaseQueueSettings,
@@ -584,8 +586,8 @@ def worker(
     Example:
       leasequeue worker myapp.tasks:summarise --queue documents --burst
     """
-    queue = _open_queue(ctx)
     with _worker_logging():
+        queue = _open_queue_when_reachable(ctx, poll_interval)
         logger.info(
             "worker %s on queue %r (schema %r at %s) runs %s",
             worker_id or queue.default_worker_id,
@@ -605,6 +607,17 @@ def worker(
             worker_id=worker_id,
         )
         logger.info("worker stopped after %s", summary)
+
+
+def _open_queue_when_reachable(ctx: click.Context, poll_interval: float) -> LeaseQueue:
+    """Open the queue, waiting while the database cannot be reached: a worker started
+    while it restarts, or behind a slow network, waits for it as it does between tasks."""
+    while True:
+        try:
+            return _open_queue(ctx)
+        except DatabaseUnavailable as exc:
+            logger.warning("cannot connect: %s (trying again in %g s)", exc, poll_interval)
+            time.sleep(poll_interval)
 
 
 @contextmanager

@@ -7,6 +7,7 @@ subprocesses of `python -m dagster_leasequeue.cli`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -607,3 +608,37 @@ def test_embedded_start_status_dsn_and_stop(tmp_path: Path) -> None:
     assert stopped.exit_code == 0 and "stopped the embedded PostgreSQL" in stopped.stdout
     assert embedded("status").stdout.startswith("stopped")
     assert "not running" in embedded("stop").stdout
+
+
+def test_a_worker_started_while_the_database_is_down_waits_for_it(tmp_path: Path) -> None:
+    from dagster_leasequeue import LeaseQueueSettings
+
+    from ..own_server import OwnServer
+
+    server = OwnServer(tmp_path)
+    server.start()
+    settings = LeaseQueueSettings(data_dir=tmp_path / "unused", _env_file=None)
+    try:
+        with LeaseQueue(server.dsn, schema="lq", settings=settings) as queue:
+            queue.install()
+            task_id = queue.enqueue({"n": 21})
+        server.stop()
+        worker = subprocess.Popen(
+            [*CLI, "worker", "tests.cli_handlers:count_only", "--burst", "--poll-interval", "0.5"],
+            cwd=REPO,
+            env={**cli_env(server.dsn, "lq"), "LEASEQUEUE_CONNECT_TIMEOUT": "2"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(3)
+        assert worker.poll() is None  # still waiting, not exited
+        server.start()
+        _, stderr = worker.communicate(timeout=60)
+        assert worker.returncode == 0, stderr
+        assert "cannot connect" in stderr
+        with LeaseQueue(server.dsn, schema="lq", settings=settings) as queue:
+            assert queue.get(task_id).status == "done"
+    finally:
+        with contextlib.suppress(Exception):
+            server.stop()
