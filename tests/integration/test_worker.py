@@ -58,7 +58,7 @@ def test_a_handler_must_be_callable(queue: LeaseQueue) -> None:
 
 
 def test_a_stop_during_an_attempt_releases_the_task_and_keeps_its_attempts(
-    queue: LeaseQueue,
+    queue: LeaseQueue, caplog: pytest.LogCaptureFixture
 ) -> None:
     import os
     import signal
@@ -76,6 +76,14 @@ def test_a_stop_during_an_attempt_releases_the_task_and_keeps_its_attempts(
     def deploy() -> None:
         started.wait(10)
         os.kill(os.getpid(), signal.SIGTERM)  # stop after this task
+        # Two signals the handler has not run for yet would count as one.
+        deadline = time.monotonic() + 10
+        while not any("SIGTERM received" in r.getMessage() for r in caplog.records):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        # The record is written while the first handler still runs: a signal that comes
+        # then is only seen once the handler's sleep ends.
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGTERM)  # no, now
 
