@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -18,23 +17,10 @@ from dagster_leasequeue import (
 )
 
 from ..helpers import run_sql
+from ..unit.test_payloads import BAD_PAYLOADS
 
 
-@pytest.mark.parametrize(
-    ("payload", "message"),
-    [
-        ([1, 2], "must be a JSON object"),
-        ("text", "must be a JSON object"),
-        (None, "must be a JSON object"),
-        ({"when": object()}, "not JSON-serialisable"),
-        ({"amount": Decimal("1.5")}, "not JSON-serialisable"),
-        ({"x": math.nan}, "not JSON-serialisable"),
-        ({"x": math.inf}, "not JSON-serialisable"),
-        ({"x": "a\x00b"}, "NUL"),
-        ({"x": "a\ud800b"}, "lone surrogate"),
-        ({1: "int key"}, "keys must be strings"),
-    ],
-)
+@pytest.mark.parametrize(("payload", "message"), BAD_PAYLOADS)
 def test_bad_payloads_are_refused_and_nothing_is_stored(
     queue: LeaseQueue, payload: object, message: str
 ) -> None:

@@ -16,23 +16,23 @@ from hypothesis import given, strategies as st
 from dagster_leasequeue import PayloadError
 from dagster_leasequeue.payloads import encode_object
 
+# Refused by encode_object, and so by every enqueue (tests/integration/test_inputs.py).
+BAD_PAYLOADS = [
+    ([1, 2], "must be a JSON object"),
+    ("text", "must be a JSON object"),
+    (None, "must be a JSON object"),
+    ({"when": object()}, "not JSON-serialisable"),
+    ({"amount": Decimal("1.5")}, "not JSON-serialisable"),
+    ({"x": math.nan}, "not JSON-serialisable"),
+    ({"x": math.inf}, "not JSON-serialisable"),
+    ({"x": "a\x00b"}, "NUL"),
+    ({"x": "a\\\x00b"}, "NUL"),
+    ({"x": "a\ud800b"}, "lone surrogate"),
+    ({1: "int key"}, "keys must be strings"),
+]
 
-@pytest.mark.parametrize(
-    ("payload", "message"),
-    [
-        ([1, 2], "must be a JSON object"),
-        ("text", "must be a JSON object"),
-        (None, "must be a JSON object"),
-        ({"when": object()}, "not JSON-serialisable"),
-        ({"amount": Decimal("1.5")}, "not JSON-serialisable"),
-        ({"x": math.nan}, "not JSON-serialisable"),
-        ({"x": math.inf}, "not JSON-serialisable"),
-        ({"x": "a\x00b"}, "NUL"),
-        ({"x": "a\\\x00b"}, "NUL"),
-        ({"x": "a\ud800b"}, "lone surrogate"),
-        ({1: "int key"}, "keys must be strings"),
-    ],
-)
+
+@pytest.mark.parametrize(("payload", "message"), BAD_PAYLOADS)
 def test_a_bad_payload_is_refused_before_it_is_sent(payload: object, message: str) -> None:
     with pytest.raises(PayloadError, match=rf"^payload .*{message}"):
         encode_object(payload, what="payload", max_bytes=1000)
