@@ -215,6 +215,10 @@ def _run(
         # lease` releases it), so the task keeps its attempts.
         if lease is not None and isinstance(exc, Exception) and not isinstance(exc, LeaseLost):
             _fail_lease(conn, driver, lease, exc)
+        if isinstance(exc, psycopg.OperationalError) and conn.broken:
+            # The caller's statement met a dropped connection (a restart, a failover, a
+            # cut): the database's failure, told as the package tells it everywhere else.
+            driver.errors.raise_translated(exc)
         raise
     if lease is not None:
         lease._mark_acked()

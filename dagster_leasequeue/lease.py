@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import sql
 from .connection import Executor
-from .errors import LeaseLost, LeaseQueueError, describe_error
+from .errors import DatabaseUnavailable, LeaseLost, LeaseQueueError, describe_error
 from .validation import MAX_LEASE_SECONDS, check_seconds
 
 if TYPE_CHECKING:
@@ -226,10 +226,14 @@ class Lease:
             self.ack()
             return
         # An interrupt (Ctrl-C, a stop signal, SystemExit) is not the task's fault: the task
-        # goes back unharmed instead of using up an attempt.
-        give_back = self.release if not isinstance(exc, Exception) else lambda: self.fail(exc)
+        # goes back unharmed instead of using up an attempt. Nor is a database that went
+        # away, but it cannot be told from a crash the task caused, so it uses the attempt
+        # like a lapsed lease would; it is due again at once, as the outage is over.
         try:
-            give_back()
+            if not isinstance(exc, Exception):
+                self.release()
+            else:
+                self.fail(exc, retry_in=0 if isinstance(exc, DatabaseUnavailable) else None)
         except LeaseQueueError as error:
             # The block's own exception is the one the caller needs to see.
             logger.warning("could not give back task %s after %r: %s", self.task_id, exc, error)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, TypeAlias
 
 from .errors import (
     ConfigurationError,
@@ -43,7 +43,7 @@ from .lease import Lease
 from .queue import LeaseQueue
 from .validation import MAX_LEASE_SECONDS, check_count, check_seconds
 
-logger = logging.getLogger(__name__)
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,13 @@ class WorkerSummary:
         return f"{self.total} task(s)" + (f" ({details})" if details else "")
 
 
+# Where the worker logs: a logger, or an adapter such as a Dagster op's ``context.log``.
+Log: TypeAlias = "logging.Logger | logging.LoggerAdapter[Any]"
+
+# While the database is unreachable the wait between tries doubles up to this.
+MAX_OUTAGE_WAIT = 30.0
+
+
 def run_worker(
     queue: LeaseQueue,
     handler: Callable[..., Any],
@@ -148,6 +155,7 @@ def run_worker(
     max_tasks: int | None = None,
     burst: bool = False,
     worker_id: str | None = None,
+    logger: Log | None = None,
 ) -> WorkerSummary:
     """Claim tasks of ``queue_name`` and run ``handler`` on each until stopped.
 
@@ -155,8 +163,14 @@ def run_worker(
     is acked with the handler's result, or failed when the handler raises (retried after a
     backoff, or dead when out of attempts). The worker stops on SIGTERM or SIGINT (see the
     module's docstring; signals are handled only when called from the main thread), after
-    ``max_tasks`` tasks, or with ``burst`` once no task is due. While the database is
-    unreachable it logs, waits ``poll_interval`` and tries again.
+    ``max_tasks`` tasks, or with ``burst`` once no task is due.
+
+    The worker outlives the database going away (a restart, a failover, a cut network): it
+    logs it, waits ``poll_interval`` doubled on each failed try up to 30 s, and goes on
+    claiming once it is back. A task whose work the outage broke is given back as failed
+    as soon as the database answers, to be retried at once; a lease that ran out in the
+    meantime is left to the sweeper. ``logger`` receives the worker's messages (in a Dagster
+    op, pass ``context.log``); by default they go to the ``dagster_leasequeue.worker`` logger.
     """
     work = Handler.wrap(handler)
     if lease_seconds is not None:
@@ -164,27 +178,31 @@ def run_worker(
     check_seconds("poll_interval", poll_interval)
     if max_tasks is not None:
         check_count("max_tasks", max_tasks)
-    with _Shutdown() as shutdown:
+    log = logger if logger is not None else _logger
+    with _Shutdown(log) as shutdown:
         summary = WorkerSummary()
+        outage = _Outage(log, poll_interval)
+        unfinished: _Unfinished | None = None
         waiting = False
         while not shutdown.requested.is_set():
             if max_tasks is not None and summary.total >= max_tasks:
                 break
             try:
+                if unfinished is not None:
+                    unfinished = unfinished.give_back()
                 lease = queue.claim(
                     queue=queue_name, worker_id=worker_id, lease_seconds=lease_seconds
                 )
             except DatabaseUnavailable as exc:
-                # The database may be restarting: keep polling rather than exit.
-                logger.warning("cannot claim: %s", exc)
-                shutdown.wait(poll_interval)
+                shutdown.wait(outage.failed(exc))
                 continue
+            outage.ended()
             if lease is None:
                 if burst:
-                    logger.info("no task is due: stopping (burst)")
+                    log.info("no task is due: stopping (burst)")
                     break
                 if not waiting:
-                    logger.info("waiting for tasks")
+                    log.info("waiting for tasks")
                 waiting = True
                 shutdown.wait(poll_interval)
                 continue
@@ -192,17 +210,18 @@ def run_worker(
             if shutdown.requested.is_set():
                 # The stop came while this claim was on its way: hand the task straight
                 # back, without using up one of its attempts.
-                summary.add(_release(lease))
+                summary.add(_release(lease, log))
                 break
-            summary.add(_process(lease, work, shutdown))
+            outcome = _process(lease, work, shutdown, log)
+            summary.add(outcome)
+            if outcome == "unreachable" and not lease.finished:
+                unfinished = _Unfinished(lease, log)
     return summary
 
 
-def _process(lease: Lease, handler: Handler, shutdown: _Shutdown) -> str:
+def _process(lease: Lease, handler: Handler, shutdown: _Shutdown, log: Log) -> str:
     """Run the handler on one claimed task inside ``with lease:``; return the outcome."""
-    logger.info(
-        "task %s started (attempt %s of %s)", lease.task_id, lease.attempt, lease.max_attempts
-    )
+    log.info("task %s started (attempt %s of %s)", lease.task_id, lease.attempt, lease.max_attempts)
     started = time.monotonic()
     try:
         # `with lease` renews in the background and fails the task if the block raises.
@@ -211,14 +230,17 @@ def _process(lease: Lease, handler: Handler, shutdown: _Shutdown) -> str:
             if not lease.finished:  # the handler may have concluded it (an attempt acks)
                 lease.ack(result)
     except _Aborted:
-        logger.warning("task %s released for another worker", lease.task_id)
+        log.warning("task %s released for another worker", lease.task_id)
         return "released"
     except LeaseLost as exc:
-        logger.warning("task %s: %s", lease.task_id, exc)
+        log.warning("task %s: %s", lease.task_id, exc)
         return "lost"
+    except DatabaseUnavailable as exc:
+        log.warning("task %s interrupted: %s", lease.task_id, exc)
+        return "unreachable"
     except Exception as exc:
         ending = "now dead" if lease.attempt >= lease.max_attempts else "will be retried"
-        logger.error(
+        log.error(
             "task %s failed (attempt %s of %s, %s): %s: %s",
             lease.task_id,
             lease.attempt,
@@ -229,19 +251,72 @@ def _process(lease: Lease, handler: Handler, shutdown: _Shutdown) -> str:
             exc_info=not isinstance(exc, LeaseQueueError),
         )
         return "failed"
-    logger.info("task %s done in %.2f s", lease.task_id, time.monotonic() - started)
+    log.info("task %s done in %.2f s", lease.task_id, time.monotonic() - started)
     return "done"
 
 
-def _release(lease: Lease) -> str:
+def _release(lease: Lease, log: Log) -> str:
     try:
         lease.release()
     except LeaseQueueError as exc:
         # Not released: the sweeper recovers it once its lease ends.
-        logger.warning("task %s could not be released: %s", lease.task_id, exc)
+        log.warning("task %s could not be released: %s", lease.task_id, exc)
         return "lost"
-    logger.info("task %s released for another worker: the worker is stopping", lease.task_id)
+    log.info("task %s released for another worker: the worker is stopping", lease.task_id)
     return "released"
+
+
+class _Outage:
+    """The waits between tries while the database is unreachable, and their log lines."""
+
+    def __init__(self, log: Log, poll_interval: float) -> None:
+        self._log = log
+        self._first_wait = poll_interval
+        self._wait = poll_interval
+        self._since: float | None = None
+
+    def failed(self, exc: DatabaseUnavailable) -> float:
+        """Note a failed try; return how long to wait before the next one."""
+        if self._since is None:
+            self._since = time.monotonic()
+        wait = self._wait
+        self._log.warning("cannot claim: %s (trying again in %.3g s)", exc, wait)
+        self._wait = min(max(self._first_wait, MAX_OUTAGE_WAIT), wait * 2)
+        return wait
+
+    def ended(self) -> None:
+        if self._since is not None:
+            self._log.info(
+                "the database answers again after %.1f s", time.monotonic() - self._since
+            )
+        self._since = None
+        self._wait = self._first_wait
+
+
+class _Unfinished:
+    """A task whose work an outage broke, to give back once the database answers.
+
+    The outage is not the task's fault, but the queue cannot tell it from a crash the task
+    caused, so, like a lapsed lease, it counts as one of the task's attempts. Giving it
+    back at once (fenced, so only while this worker still holds it) spares the wait for the
+    lease to run out and for a sweeper.
+    """
+
+    def __init__(self, lease: Lease, log: Log) -> None:
+        self._lease = lease
+        self._log = log
+
+    def give_back(self) -> _Unfinished | None:
+        """Try once: None once done; DatabaseUnavailable while the database is still away."""
+        try:
+            status = self._lease.fail(
+                "DatabaseUnavailable: the database was unreachable during the work", retry_in=0
+            )
+        except LeaseLost:
+            self._log.info("task %s was recovered by a sweeper meanwhile", self._lease.task_id)
+            return None
+        self._log.info("task %s given back after the outage: %s", self._lease.task_id, status)
+        return None
 
 
 class _Aborted(KeyboardInterrupt):
@@ -260,7 +335,8 @@ class _Shutdown:
     until its other limits stop it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log: Log) -> None:
+        self._log = log
         self.requested = threading.Event()
         self.aborted = False
         self._signals = 0
@@ -299,13 +375,13 @@ class _Shutdown:
         self.requested.set()
         name = signal.Signals(signum).name
         if self._signals == 1:
-            logger.warning(
+            self._log.warning(
                 "%s received: stopping once the current task, if any, is finished "
                 "(send it again to release a running task at once)",
                 name,
             )
         elif self._in_handler and not self.aborted:
-            logger.warning("%s received again: releasing the current task", name)
+            self._log.warning("%s received again: releasing the current task", name)
             self._in_handler = False
             self.aborted = True
             raise _Aborted

@@ -5,9 +5,12 @@ The resource reads every setting from the ``LEASEQUEUE_*`` environment (``LEASEQ
 PostgreSQL when no DSN is set.
 """
 
+from typing import Any
+
 import dagster as dg
 
 from dagster_leasequeue import (
+    Lease,
     LeaseQueueResource,
     build_queue_asset_checks,
     build_sweeper_sensor,
@@ -54,32 +57,33 @@ def process_documents_op(
     Each summary is written through an attempt: the row, the attempt's success mark and
     the task's ack commit together, so a run after a crash writes every summary once. The
     lease renews itself while a long document is read; if it is lost anyway, the work stops.
+    The worker loop outlives a database restart or failover: it logs, backs off, reconnects
+    and goes on.
     """
     queue = leasequeue.get_queue()
     with queue.connection() as conn:
         create_results_table(conn, queue.schema)
-    processed = skipped = 0
-    while config.max_tasks == 0 or processed + skipped < config.max_tasks:
-        lease = leasequeue.claim()
-        if lease is None:
-            break
-        document = lease.payload
-        with lease, leasequeue.attempt(lease=lease) as attempt:
+    counts = {"processed": 0, "skipped": 0}
+
+    def summarise_document(document: dict[str, Any], lease: Lease) -> None:
+        with leasequeue.attempt(lease=lease) as attempt:
             if attempt.duplicate:
-                skipped += 1
+                counts["skipped"] += 1
                 context.log.info(f"{document['document']}: already summarised, skipped")
-                continue
+                return
             words = summarise(document, config.page_seconds, lease.raise_if_lost)
             write_summary(
                 attempt.connection, queue.schema, document, words, lease.task_id, lease.worker_id
             )
             attempt.result = {"words": words}
-            processed += 1
-            context.log.info(
-                f"{document['document']}: {document['pages']} pages, {words} words "
-                f"(task {lease.task_id}, attempt {lease.attempt})"
-            )
-    return {"processed": processed, "skipped": skipped}
+        counts["processed"] += 1
+        context.log.info(
+            f"{document['document']}: {document['pages']} pages, {words} words "
+            f"(task {lease.task_id}, attempt {lease.attempt})"
+        )
+
+    leasequeue.run_worker(summarise_document, max_tasks=config.max_tasks or None)
+    return counts
 
 
 @dg.job(description="Enqueue the example documents.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -19,6 +19,7 @@ from ..models import QueueStats, RecoveredTask, RecoveryEvent, TaskInfo
 from ..queue import LeaseQueue
 from ..settings import LeaseQueueSettings
 from ..version import __version__
+from ..worker import WorkerSummary, run_worker
 from .keys import QUEUE_TAG
 
 DagsterLibraryRegistry.register("dagster-leasequeue", __version__, is_dagster_package=False)
@@ -146,10 +147,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     def worker_id(self) -> str:
         """Who is claiming: the run and step when called in a run, else host and process."""
         where = f"{socket.gethostname()}:{os.getpid()}"
-        try:
-            context = dg.OpExecutionContext.get()
-        except dg.DagsterInvariantViolationError:
-            context = None
+        context = _op_context()
         if context is not None:
             step_key = context.get_step_execution_context().step.key
             return f"dagster-run:{context.run_id}:{step_key}@{where}"
@@ -169,6 +167,35 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             worker_id=self.worker_id(),
             lease_seconds=lease_seconds,
             wait=wait,
+        )
+
+    def run_worker(
+        self,
+        handler: Callable[..., Any],
+        *,
+        queue: str | None = None,
+        lease_seconds: float | None = None,
+        poll_interval: float = 1.0,
+        max_tasks: int | None = None,
+        burst: bool = True,
+    ) -> WorkerSummary:
+        """Claim tasks of ``queue`` and run ``handler`` on each; see :func:`run_worker`.
+
+        Unlike the plain function it stops once no task is due (``burst``), so a run ends
+        when its queue is drained, and in an op it logs to the op's ``context.log``. It
+        outlives the database going away and coming back (a restart, a failover).
+        """
+        context = _op_context()
+        return run_worker(
+            self.get_queue(),
+            handler,
+            queue_name=queue or self.default_queue(),
+            lease_seconds=lease_seconds,
+            poll_interval=poll_interval,
+            max_tasks=max_tasks,
+            burst=burst,
+            worker_id=self.worker_id(),
+            logger=context.log if context is not None else None,
         )
 
     def claim_many(
@@ -263,3 +290,11 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     def retry_dead(self, task_ids: Iterable[int] | None = None, *, queue: str | None = None) -> int:
         """Enqueue dead tasks again with a fresh budget of attempts."""
         return self.get_queue().retry_dead(task_ids, queue=queue)
+
+
+def _op_context() -> dg.OpExecutionContext | None:
+    """The context of the op being executed in this thread, if any."""
+    try:
+        return dg.OpExecutionContext.get()
+    except dg.DagsterInvariantViolationError:
+        return None

@@ -7,11 +7,13 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
+import psycopg
 import pytest
 
 from dagster_leasequeue import (
     Attempt,
     ConfigurationError,
+    DatabaseUnavailable,
     LeaseLost,
     LeaseQueue,
     LeaseQueueError,
@@ -488,3 +490,28 @@ def test_the_migration_keeps_what_attempt_records_mean(
     assert lease is not None
     with queue.attempt(lease=lease) as attempt:
         assert attempt.duplicate
+
+
+def test_a_connection_lost_inside_an_attempt_raises_database_unavailable(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    """A server that drops the attempt's connection (a restart, a failover) is the
+    database's failure, not the caller's SQL: it surfaces as DatabaseUnavailable."""
+    queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    with pytest.raises(DatabaseUnavailable) as raised, queue.attempt(lease=lease) as attempt:
+        row = attempt.connection.execute("SELECT pg_backend_pid()").fetchone()
+        assert row is not None
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+        attempt.connection.execute("SELECT 1")
+    assert "lost or could not open the connection" in str(raised.value)
+    # Nothing concluded the task; the queue's other connections still work.
+    assert not lease.finished
+    lease.release()
+    again = queue.claim()
+    assert again is not None
+    with queue.attempt(lease=again) as attempt:
+        attempt.connection.execute("SELECT 1")
+    assert queue.get(again.task_id).status == "done"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ from example_repo.definitions import defs, process_documents
 from example_repo.ticks import run_sensor_tick
 
 from ..helpers import expire, run_sql
+from ..own_server import OwnServer
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSET = dg.AssetKey(["leasequeue", "documents"])
@@ -413,3 +416,65 @@ def test_a_run_tagged_with_a_queue_works_that_queue(
 
     result = tagged.execute_in_process(instance=instance, tags={"leasequeue/queue": "reports"})
     assert result.output_for_node("take") == task_id
+
+
+def test_the_example_op_outlives_a_database_restart(
+    tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server crashes while the op reads the 200-page contract and is back five seconds
+    later: the op logs it, backs off, reconnects and finishes; every summary is written once."""
+    server = OwnServer(tmp_path / "server")
+    server.start()
+    monkeypatch.setenv("LEASEQUEUE_DSN", server.dsn)
+    monkeypatch.setenv("LEASEQUEUE_SCHEMA_NAME", "lq")
+    monkeypatch.setenv("LEASEQUEUE_CONNECT_TIMEOUT", "1")
+    monkeypatch.setenv("LEASEQUEUE_NETWORK_TIMEOUT", "1")
+    try:
+        with LeaseQueue(server.dsn, schema="lq") as queue:
+            queue.install()
+            enqueue = defs.get_job_def("enqueue_documents").execute_in_process(
+                instance=instance,
+                run_config={"ops": {"enqueue_documents_op": {"config": {"copies": 2}}}},
+            )
+            assert enqueue.success
+
+            def crash_once_a_summary_is_written() -> None:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not _summary_count(queue):
+                    time.sleep(0.05)
+                server.crash()
+                time.sleep(5)
+                server.start()
+
+            outage = threading.Thread(target=crash_once_a_summary_is_written)
+            outage.start()
+            result = defs.get_job_def("process_documents").execute_in_process(
+                instance=instance,
+                run_config={"ops": {"process_documents_op": {"config": {"page_seconds": 0.01}}}},
+            )
+            outage.join(timeout=60)
+            assert result.success
+        with LeaseQueue(server.dsn, schema="lq") as queue:  # a pool made after the restart
+            assert result.output_for_node("process_documents_op") == {
+                "processed": 12,
+                "skipped": 0,
+            }
+            # Two copies of each document, each summarised once.
+            assert [count for _, count in summaries(queue)] == [2] * 6
+            assert queue.stats("documents").counts["done"] == 12
+            logged = "\n".join(
+                str(entry.user_message) for entry in instance.all_logs(result.run_id)
+            )
+            assert "cannot claim" in logged
+            assert "the database answers again" in logged
+    finally:
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+def _summary_count(queue: LeaseQueue) -> int:
+    try:
+        rows = run_sql(queue, "SELECT count(*) FROM {schema}.document_summaries")
+    except Exception:  # the table is made by the op
+        return 0
+    return int(rows[0][0])

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dagster_leasequeue import ConfigurationError, Lease, LeaseQueue, WorkerSummary, run_worker
+from dagster_leasequeue import (
+    ConfigurationError,
+    Lease,
+    LeaseQueue,
+    LeaseQueueSettings,
+    WorkerSummary,
+    run_worker,
+)
+
+from ..own_server import OwnServer
 
 
 def test_run_worker_drains_a_queue_and_counts_outcomes(queue: LeaseQueue) -> None:
@@ -83,3 +95,61 @@ def test_a_handler_that_concludes_its_own_task_counts_as_done(queue: LeaseQueue)
 
     assert run_worker(queue, through_an_attempt, burst=True).outcomes == {"done": 1}
     assert queue.get(task_id).result == {"n": 1}
+
+
+def test_run_worker_outlives_a_database_restart(tmp_path: Path) -> None:
+    """The server crashes during one task's work and comes back longer than a call waits
+    for a connection later: the worker backs off, reconnects, gives that task back, and
+    drains the rest; every effect is written once."""
+    server = OwnServer(tmp_path)
+    server.start()
+    settings = LeaseQueueSettings(
+        lease_seconds=30,
+        connect_timeout=1,
+        network_timeout=1,
+        data_dir=tmp_path / "unused",
+        _env_file=None,
+    )
+    messages: list[str] = []
+    log = logging.getLogger("tests.restart")
+    log.addHandler(_ListHandler(messages))
+    log.setLevel(logging.INFO)
+    try:
+        with LeaseQueue(server.dsn, schema="lq", settings=settings) as queue:
+            queue.install()
+            with queue.connection() as conn:
+                conn.execute("CREATE TABLE lq.effects (n int NOT NULL)")
+            ids = queue.enqueue_many([{"n": n} for n in range(20)])
+
+            def write(payload: dict[str, Any], lease: Lease) -> None:
+                with queue.attempt(lease=lease) as attempt:
+                    if payload["n"] == 7 and lease.attempt == 1:
+                        server.crash()
+                        threading.Timer(5, server.start).start()
+                    attempt.connection.execute(
+                        "INSERT INTO lq.effects VALUES (%s)", (payload["n"],)
+                    )
+
+            summary = run_worker(queue, write, burst=True, poll_interval=0.2, logger=log)
+            assert summary.outcomes == {"done": 20, "unreachable": 1}
+            assert {queue.get(task_id).status for task_id in ids} == {"done"}
+            assert queue.get(ids[7]).attempts == 2
+            with queue.connection() as conn:
+                rows = conn.execute("SELECT n, count(*) FROM lq.effects GROUP BY n").fetchall()
+            assert dict(rows) == {n: 1 for n in range(20)}
+        text = "\n".join(messages)
+        assert "cannot claim" in text
+        assert "the database answers again" in text
+        assert f"task {ids[7]} given back after the outage: enqueued" in text
+    finally:
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__()
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
