@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dagster_leasequeue.attempts import Attempt as Attempt
 from dagster_leasequeue.errors import (
+    BatchNotFound as BatchNotFound,
     ConfigurationError as ConfigurationError,
     DatabaseUnavailable as DatabaseUnavailable,
     LeaseLost as LeaseLost,
@@ -23,10 +24,13 @@ from dagster_leasequeue.errors import (
 from dagster_leasequeue.lease import Lease as Lease
 from dagster_leasequeue.models import (
     AttemptRecord as AttemptRecord,
+    Batch as Batch,
+    BatchInfo as BatchInfo,
     QueueStats as QueueStats,
     RecoveredTask as RecoveredTask,
     RecoveryEvent as RecoveryEvent,
     TaskInfo as TaskInfo,
+    TaskResult as TaskResult,
 )
 from dagster_leasequeue.queue import LeaseQueue as LeaseQueue
 from dagster_leasequeue.settings import LeaseQueueSettings as LeaseQueueSettings
@@ -72,6 +76,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Attempt",
     "AttemptRecord",
+    "Batch",
+    "BatchInfo",
+    "BatchNotFound",
     "ConfigurationError",
     "DatabaseUnavailable",
     "Lease",
@@ -87,6 +94,7 @@ __all__ = [
     "SchemaNotInstalled",
     "TaskInfo",
     "TaskNotFound",
+    "TaskResult",
     "TransactionAbandoned",
     "WorkerSummary",
     "__version__",

@@ -43,6 +43,10 @@ class TaskNotFound(LeaseQueueError, LookupError):
     """No task has the given id."""
 
 
+class BatchNotFound(LeaseQueueError, LookupError):
+    """No batch has the given id."""
+
+
 def describe_error(error: str | BaseException) -> str:
     """How an error is stored in a task's ``last_error`` or an attempt's ``error``."""
     if isinstance(error, BaseException):

@@ -21,6 +21,9 @@ class Migration(NamedTuple):
     version: int
     description: str
     statements: tuple[str, ...]
+    # Run one by one outside a transaction (CREATE INDEX CONCURRENTLY), each safe to run
+    # again; the version is recorded once all of them went through.
+    concurrently: bool = False
 
 
 # What an attempt is an attempt at, as one text: a task without idempotency key is its own
@@ -38,6 +41,51 @@ _ATTEMPT_IDENTITY = """
          WHEN queue IS NULL THEN 'legacy:' || key
          ELSE 'queue:' || length(queue) || ':' || queue || ':' || key END
 """
+
+
+# A batch's finished tasks are counted in stripes: each ack of a batch task adds one to
+# the stripe of its server process (pg_backend_pid() % BATCH_STRIPES), so workers acking
+# tasks of one batch seldom wait on each other's row lock, as they would on one counter.
+# The trigger keeps the counts whatever path finishes or un-finishes a task (ack, fail,
+# sweep, cancel, retry_dead, an attempt's conclusion). On the last tasks of a batch it
+# also sends a NOTIFY on the schema's channel (sql.notify_channel: 'lq_' + schema), which
+# wakes wait_batch. "The last tasks": a transaction cannot see the increments of others
+# not yet committed, so the one that finishes a batch may not know it; every one that
+# finds at most BATCH_NOTIFY_TAIL left notifies, and wait_batch also polls.
+#
+# A statement that changes many tasks of one batch at once (cancel_batch, retry_dead) sets
+# leasequeue.counted_in_bulk for its transaction and counts them itself, once per batch:
+# row by row, its updates of one stripe row would pile up versions of that row that the
+# transaction cannot prune, each update slower than the last.
+BATCH_STRIPES = 16
+BATCH_NOTIFY_TAIL = 64
+
+_COUNT_BATCH_TASK = f"""
+    CREATE FUNCTION {{schema}}.count_batch_task() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        v_left bigint;
+    BEGIN
+        UPDATE {{schema}}.batch_counts
+        SET done = done + (NEW.status = 'done')::int - (OLD.status = 'done')::int,
+            dead = dead + (NEW.status = 'dead')::int - (OLD.status = 'dead')::int,
+            cancelled = cancelled + (NEW.status = 'cancelled')::int
+                        - (OLD.status = 'cancelled')::int,
+            changed_at = clock_timestamp()
+        WHERE batch_id = NEW.batch_id AND stripe = mod(pg_backend_pid(), {BATCH_STRIPES});
+        SELECT b.total - c.finished INTO v_left
+        FROM {{schema}}.batches AS b,
+             LATERAL (SELECT sum(done + dead + cancelled) AS finished
+                      FROM {{schema}}.batch_counts WHERE batch_id = b.id) AS c
+        WHERE b.id = NEW.batch_id;
+        IF v_left <= {BATCH_NOTIFY_TAIL} THEN
+            PERFORM pg_notify(left('lq_' || TG_TABLE_SCHEMA, 63), 'batch:' || NEW.batch_id);
+        END IF;
+        RETURN NULL;
+    END
+    $$
+"""
+
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -235,6 +283,67 @@ MIGRATIONS: tuple[Migration, ...] = (
                 WHERE outcome = 'succeeded'
             """,
         ),
+    ),
+    Migration(
+        6,
+        "task batches, with their finished tasks counted in stripes",
+        (
+            """
+            CREATE TABLE {schema}.batches (
+                id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                name text,
+                queue text NOT NULL,
+                total bigint NOT NULL DEFAULT 0,
+                created_at timestamptz NOT NULL DEFAULT clock_timestamp()
+            )
+            """,
+            """
+            CREATE UNIQUE INDEX batches_name_idx ON {schema}.batches (name)
+                WHERE name IS NOT NULL
+            """,
+            # Updated in place by every finish: room on the page keeps the updates HOT.
+            """
+            CREATE TABLE {schema}.batch_counts (
+                batch_id bigint NOT NULL,
+                stripe smallint NOT NULL,
+                done bigint NOT NULL DEFAULT 0,
+                dead bigint NOT NULL DEFAULT 0,
+                cancelled bigint NOT NULL DEFAULT 0,
+                changed_at timestamptz,
+                PRIMARY KEY (batch_id, stripe)
+            ) WITH (fillfactor = 50)
+            """,
+            # No default: adding the column rewrites nothing. No foreign key: a check per
+            # row would slow every enqueue of a batch, and only enqueue_batch sets it.
+            "ALTER TABLE {schema}.tasks ADD COLUMN batch_id bigint",
+            _COUNT_BATCH_TASK,
+            # The WHEN clause is evaluated without calling the function: tasks outside a
+            # batch, and changes between enqueued and processing, cost nothing here.
+            """
+            CREATE TRIGGER tasks_batch_counts
+                AFTER UPDATE OF status ON {schema}.tasks
+                FOR EACH ROW
+                WHEN (NEW.batch_id IS NOT NULL AND OLD.status IS DISTINCT FROM NEW.status
+                      AND (OLD.status IN ('done', 'dead', 'cancelled')
+                           OR NEW.status IN ('done', 'dead', 'cancelled'))
+                      AND current_setting('leasequeue.counted_in_bulk', true)
+                          IS DISTINCT FROM 'on')
+                EXECUTE FUNCTION {schema}.count_batch_task()
+            """,
+        ),
+    ),
+    Migration(
+        7,
+        "a batch's tasks indexed by status",
+        (
+            # A batch's results, its running tasks, and cancel_batch read its tasks by
+            # status; in id order, so results come in the order they were enqueued.
+            """
+            CREATE INDEX CONCURRENTLY IF NOT EXISTS tasks_batch_idx
+                ON {schema}.tasks (batch_id, status, id) WHERE batch_id IS NOT NULL
+            """,
+        ),
+        concurrently=True,
     ),
 )
 

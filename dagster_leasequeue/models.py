@@ -103,3 +103,65 @@ class AttemptRecord:
     finished_at: datetime | None
     # The task's queue when the attempt was at a task's work; None for a key of your own.
     queue: str | None = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch as :meth:`LeaseQueue.enqueue_batch` made it, or found it under its name.
+
+    ``created`` is False when a batch of that name already existed: nothing was added.
+    """
+
+    id: int
+    name: str | None
+    queue: str
+    total: int
+    created_at: datetime
+    created: bool = True
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """A batch's state, read from its counters (see :meth:`LeaseQueue.batch`).
+
+    ``finished`` once no task of it is enqueued or processing; ``finished_at`` is when its
+    last task finished (None while unfinished).
+    """
+
+    id: int
+    name: str | None
+    queue: str
+    total: int
+    enqueued: int
+    processing: int
+    done: int
+    dead: int
+    cancelled: int
+    created_at: datetime
+    finished_at: datetime | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Tasks per status, every status included."""
+        return {
+            "enqueued": self.enqueued,
+            "processing": self.processing,
+            "done": self.done,
+            "dead": self.dead,
+            "cancelled": self.cancelled,
+        }
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """One task of a batch as :meth:`LeaseQueue.batch_results` yields it."""
+
+    task_id: int
+    payload: dict[str, Any]
+    status: Status
+    result: dict[str, Any] | None
+    last_error: str | None

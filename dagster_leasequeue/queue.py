@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from . import schema as schema_module, sql
+from . import batches as batch_module, schema as schema_module, sql
 from .attempts import Attempt, AttemptTarget, attempt_target, run_attempt
 from .connection import (
     reset_session,
@@ -31,10 +31,13 @@ from .models import (
     LIVE,
     STATUSES,
     AttemptRecord,
+    Batch,
+    BatchInfo,
     QueueStats,
     RecoveredTask,
     RecoveryEvent,
     TaskInfo,
+    TaskResult,
 )
 from .notify import Listener
 from .payloads import encode_object
@@ -241,6 +244,95 @@ class LeaseQueue:
             rows = conn.execute(self._driver.statement(sql.ENQUEUE_MANY), params).fetchall()
         # Identity values are drawn in the order the rows were inserted.
         return sorted(int(row[0]) for row in rows)
+
+    # -- batches ---------------------------------------------------------------------------
+
+    def enqueue_batch(
+        self,
+        payloads: Iterable[Mapping[str, Any]],
+        *,
+        queue: str = "default",
+        name: str | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_keys: Iterable[str] | None = None,
+    ) -> Batch:
+        """Add a batch of tasks, and the batch, in one transaction: all or none.
+
+        ``payloads`` may be any iterable, a generator of millions included: it is streamed
+        through ``COPY`` a few thousand rows at a time, so memory stays flat. A bad payload
+        stops it with a PayloadError naming its position, and nothing is stored.
+
+        With ``name``, a batch of that name that already exists is returned (with
+        ``created=False``) and nothing is added, so a retried fan-out does not fan out
+        twice. With ``idempotency_keys`` (one per payload), a key an unfinished task of the
+        queue holds is skipped, as :meth:`enqueue` skips it, and the batch counts only the
+        tasks it added; the tasks then go in by chunked statements instead of ``COPY``.
+        """
+        return batch_module.enqueue_batch(
+            self._driver,
+            payloads,
+            queue=check_queue(queue),
+            name=batch_module.check_batch_name(name),
+            priority=check_priority(priority),
+            max_attempts=self._max_attempts(max_attempts),
+            idempotency_keys=idempotency_keys,
+            notify=self._notify,
+        )
+
+    def batch(self, batch_id: int) -> BatchInfo:
+        """A batch's state: its tasks per status, and whether and when it finished.
+
+        Read from counters, so it costs the same at 10 tasks or a million. A batch finishes
+        when its last task is done, dead or cancelled, whichever way (ack, fail, sweep,
+        cancel); a task put back by :meth:`retry_dead` makes it unfinished again.
+        Raises BatchNotFound for an unknown id.
+        """
+        return batch_module.batch_info(self._driver, batch_id)
+
+    def batches(self, *, queue: str | None = None, limit: int = 100) -> list[BatchInfo]:
+        """The newest batches (of ``queue``, or of every queue), newest first."""
+        return batch_module.list_batches(
+            self._driver, queue=queue, limit=check_count("limit", limit)
+        )
+
+    def batch_results(
+        self, batch_id: int, *, statuses: Iterable[str] = ("done",)
+    ) -> Iterator[TaskResult]:
+        """Yield the batch's tasks of these statuses with their results and last errors.
+
+        A status at a time, in the order given, each in the order the tasks were enqueued.
+        Read through a server-side cursor a page at a time: a million results stream with
+        flat memory. The iterator holds a pooled connection (and a transaction) until it is
+        exhausted or closed: use it in a ``for`` loop, or close it.
+        """
+        return batch_module.batch_results(self._driver, batch_id, tuple(statuses))
+
+    def wait_batch(
+        self, batch_id: int, *, timeout: float | None = None, poll_interval: float = 5.0
+    ) -> BatchInfo:
+        """Wait until the batch has finished and return its state.
+
+        Woken by a NOTIFY when its last tasks finish; reads its state every
+        ``poll_interval`` seconds too. With ``timeout``, returns after that many seconds
+        even if the batch has not finished: check ``finished`` on the result.
+        """
+        if timeout is not None:
+            check_seconds("timeout", timeout, allow_zero=True)
+        return batch_module.wait_batch(
+            self._driver,
+            self._listener,
+            batch_id,
+            timeout=timeout,
+            poll_interval=check_seconds("poll_interval", poll_interval),
+        )
+
+    def cancel_batch(self, batch_id: int) -> int:
+        """Cancel every unfinished task of the batch; return how many were cancelled.
+
+        Workers holding one of them lose their lease, as with :meth:`cancel`.
+        """
+        return batch_module.cancel_batch(self._driver, batch_id, sql.notify_channel(self.schema))
 
     # -- consuming -------------------------------------------------------------------------
 
@@ -534,8 +626,16 @@ class LeaseQueue:
                 return False
         raise TaskNotFound(f"no task with id {task_id} in schema {self.schema!r}")
 
-    def retry_dead(self, task_ids: Iterable[int] | None = None, *, queue: str | None = None) -> int:
+    def retry_dead(
+        self,
+        task_ids: Iterable[int] | None = None,
+        *,
+        queue: str | None = None,
+        batch: int | None = None,
+    ) -> int:
         """Enqueue dead tasks again with a fresh budget of attempts; return how many.
+
+        ``task_ids``, ``queue`` and ``batch`` (a batch id) narrow the tasks retried.
 
         A dead task whose idempotency key an unfinished task holds stays dead (the key is
         unique among unfinished tasks), as do all but the newest of dead tasks sharing a
@@ -544,13 +644,16 @@ class LeaseQueue:
         params = {
             "task_ids": None if task_ids is None else [int(task_id) for task_id in task_ids],
             "queue": queue,
+            "batch_id": batch,
         }
         with self._driver.connection() as conn:
             for _ in range(_ENQUEUE_RETRIES):
                 try:
-                    retried = conn.execute(
-                        self._driver.statement(sql.RETRY_DEAD), params
-                    ).fetchall()
+                    with conn.transaction():
+                        conn.execute(sql.COUNTED_IN_BULK)  # the statement counts for batches
+                        retried = conn.execute(
+                            self._driver.statement(sql.RETRY_DEAD), params
+                        ).fetchall()
                     break
                 except psycopg.errors.UniqueViolation:
                     # An enqueue took one of the keys after this statement looked: look

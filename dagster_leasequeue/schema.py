@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import psycopg
@@ -25,12 +26,29 @@ def install(conn: psycopg.Connection[Any], schema: str) -> int:
 
     Several processes may call this at once: an advisory lock lets one migrate while the
     others wait, and find nothing left to do. When the schema is already current nothing is
-    written, so a role without DDL rights can call it too.
+    written, so a role without DDL rights can call it too. ``conn`` is in autocommit.
     """
     current = installed_version(conn, schema)
     _refuse_newer(current, schema)
     if current == migrations.LATEST_VERSION:
         return 0
+    # A new schema's tables are used by nobody yet: every migration, an index built
+    # concurrently on a live table included, runs in the one transaction.
+    fresh = current == 0
+    applied = 0
+    while True:
+        pending = [m for m in migrations.MIGRATIONS if m.version > current]
+        if not pending:
+            return applied
+        if pending[0].concurrently and not fresh:
+            applied += _apply_concurrently(conn, schema, pending[0])
+        else:
+            applied += _apply_in_transaction(conn, schema, fresh)
+        current = installed_version(conn, schema)
+
+
+def _apply_in_transaction(conn: psycopg.Connection[Any], schema: str, fresh: bool) -> int:
+    """Apply, in one transaction, the pending migrations up to one to run concurrently."""
     applied = 0
     with conn.transaction():
         conn.execute(sql.ADVISORY_XACT_LOCK, {"namespace": sql.INSTALL_LOCK, "schema": schema})
@@ -42,14 +60,56 @@ def install(conn: psycopg.Connection[Any], schema: str) -> int:
         for migration in migrations.MIGRATIONS:
             if migration.version <= current:
                 continue
+            if migration.concurrently and not fresh:
+                break
             for statement in migration.statements:
+                if migration.concurrently:
+                    statement = statement.replace(" CONCURRENTLY", "", 1)
                 conn.execute(sql.compose(statement, schema))
-            conn.execute(
-                sql.compose(sql.RECORD_VERSION, schema),
-                {"version": migration.version, "description": migration.description},
-            )
+            _record(conn, schema, migration)
             applied += 1
     return applied
+
+
+def _apply_concurrently(
+    conn: psycopg.Connection[Any], schema: str, migration: migrations.Migration
+) -> int:
+    """Run a migration's statements outside a transaction, then record it.
+
+    Its statements build indexes without blocking writes, and may have been interrupted
+    before (a crash, a cancelled deploy): an index left invalid by that is dropped and built
+    again; one already built is kept (IF NOT EXISTS).
+    """
+    lock = {"namespace": sql.INSTALL_LOCK, "schema": schema}
+    conn.execute(sql.ADVISORY_LOCK, lock)
+    try:
+        if installed_version(conn, schema) >= migration.version:
+            return 0  # another process applied it while this one waited
+        for statement in migration.statements:
+            index = _INDEX_NAME.search(statement)
+            if (
+                index
+                and conn.execute(
+                    sql.INVALID_INDEX, {"schema": schema, "index": index.group(1)}
+                ).fetchone()
+            ):
+                conn.execute(sql.compose_index(sql.DROP_INDEX_CONCURRENTLY, schema, index.group(1)))
+            conn.execute(sql.compose(statement, schema))
+        with conn.transaction():
+            _record(conn, schema, migration)
+        return 1
+    finally:
+        conn.execute(sql.ADVISORY_UNLOCK, lock)
+
+
+_INDEX_NAME = re.compile(r"IF NOT EXISTS (\w+)")
+
+
+def _record(conn: psycopg.Connection[Any], schema: str, migration: migrations.Migration) -> None:
+    conn.execute(
+        sql.compose(sql.RECORD_VERSION, schema),
+        {"version": migration.version, "description": migration.description},
+    )
 
 
 def require_installed(conn: psycopg.Connection[Any], schema: str) -> None:

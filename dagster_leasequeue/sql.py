@@ -15,6 +15,8 @@ from functools import lru_cache
 
 from psycopg import sql
 
+from .migrations import BATCH_STRIPES
+
 # First keys of the two-key advisory locks this package takes, one per purpose, so that no
 # name a user picks can make two purposes collide.
 INSTALL_LOCK = 0x6C7101
@@ -27,6 +29,17 @@ VERSION_TABLE_EXISTS = "SELECT to_regclass(%(qualified)s) IS NOT NULL"
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM {schema}.schema_version"
 # Taken inside a transaction, released at its end; the namespace says what it guards.
 ADVISORY_XACT_LOCK = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s))"
+# The same, held by the session: around statements that cannot run in a transaction.
+ADVISORY_LOCK = "SELECT pg_advisory_lock(%(namespace)s, hashtext(%(schema)s))"
+ADVISORY_UNLOCK = "SELECT pg_advisory_unlock(%(namespace)s, hashtext(%(schema)s))"
+# An index left invalid by a CREATE INDEX CONCURRENTLY that was interrupted.
+INVALID_INDEX = """
+    SELECT 1 FROM pg_index AS i
+    JOIN pg_class AS c ON c.oid = i.indexrelid
+    JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE n.nspname = %(schema)s AND c.relname = %(index)s AND NOT i.indisvalid
+"""
+DROP_INDEX_CONCURRENTLY = "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{index}"
 
 CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {schema}"
 CREATE_VERSION_TABLE = """
@@ -47,7 +60,7 @@ WORKER_GRANTS = (
     "GRANT USAGE ON SCHEMA {schema} TO {role}",
     "GRANT SELECT ON {schema}.schema_version TO {role}",
     "GRANT SELECT, INSERT, UPDATE ON {schema}.tasks, {schema}.attempts,"
-    " {schema}.recovery_events TO {role}",
+    " {schema}.recovery_events, {schema}.batches, {schema}.batch_counts TO {role}",
     "GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}",
     "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {role}",
 )
@@ -375,6 +388,95 @@ CANCEL = """
 
 TASK_EXISTS = "SELECT 1 FROM {schema}.tasks WHERE id = %(task_id)s"
 
+# -- batches ----------------------------------------------------------------------------
+
+# See migrations.py (migration 6) for how a batch's finished tasks are counted.
+COUNTED_IN_BULK = "SELECT set_config('leasequeue.counted_in_bulk', 'on', true)"
+
+# The counts of a statement that changed many batch tasks (its CTE ``{changed}`` returns
+# their batch_id), added to this process's stripe once per batch.
+_COUNT_IN_BULK = (
+    """
+    ), counted AS (
+        UPDATE {{schema}}.batch_counts AS c
+        SET {column} = c.{column} {sign} n.tasks, changed_at = clock_timestamp()
+        FROM (SELECT batch_id, count(*) AS tasks FROM {changed}
+              WHERE batch_id IS NOT NULL GROUP BY batch_id) AS n
+        WHERE c.batch_id = n.batch_id AND c.stripe = mod(pg_backend_pid(), """
+    + str(BATCH_STRIPES)
+    + """)
+    )"""
+)
+
+CREATE_BATCH = """
+    INSERT INTO {schema}.batches (name, queue) VALUES (%(name)s, %(queue)s)
+    ON CONFLICT (name) WHERE name IS NOT NULL DO NOTHING
+    RETURNING id, created_at
+"""
+BATCH_BY_NAME = "SELECT id, queue, total, created_at FROM {schema}.batches WHERE name = %(name)s"
+CREATE_BATCH_STRIPES = (
+    "INSERT INTO {schema}.batch_counts (batch_id, stripe)"
+    " SELECT %(batch_id)s, generate_series(0, " + str(BATCH_STRIPES - 1) + ")"
+)
+COPY_BATCH_TASKS = (
+    "COPY {schema}.tasks (queue, priority, payload, max_attempts, batch_id) FROM STDIN"
+)
+# With idempotency keys: a key an unfinished task of the queue holds is skipped, as
+# enqueue skips it; the batch counts only the tasks it added.
+ENQUEUE_BATCH_KEYED = """
+    INSERT INTO {schema}.tasks (queue, priority, payload, idempotency_key, max_attempts, batch_id)
+    SELECT %(queue)s, %(priority)s, p.payload::jsonb, p.key, %(max_attempts)s, %(batch_id)s
+    FROM unnest(%(payloads)s::text[], %(keys)s::text[]) WITH ORDINALITY AS p(payload, key, ord)
+    ORDER BY p.ord
+    ON CONFLICT (queue, idempotency_key)
+        WHERE idempotency_key IS NOT NULL AND status IN ('enqueued', 'processing')
+        DO NOTHING
+"""
+SET_BATCH_TOTAL = "UPDATE {schema}.batches SET total = %(total)s WHERE id = %(batch_id)s"
+NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
+
+# A batch's state from its counters (16 rows) and its running tasks (an index range, as
+# long as the workers are many): the same cost at 10 tasks or a million.
+_BATCH_INFO = """
+    SELECT b.id, b.name, b.queue, b.total, b.created_at,
+           c.done, c.dead, c.cancelled, c.changed_at,
+           (SELECT count(*) FROM {schema}.tasks AS t
+            WHERE t.batch_id = b.id AND t.status = 'processing') AS processing
+    FROM {schema}.batches AS b
+    CROSS JOIN LATERAL (
+        SELECT coalesce(sum(done), 0)::bigint AS done, coalesce(sum(dead), 0)::bigint AS dead,
+               coalesce(sum(cancelled), 0)::bigint AS cancelled, max(changed_at) AS changed_at
+        FROM {schema}.batch_counts WHERE batch_id = b.id
+    ) AS c
+"""
+BATCH_INFO = _BATCH_INFO + "WHERE b.id = %(batch_id)s"
+LIST_BATCHES = (
+    _BATCH_INFO
+    + "WHERE (%(queue)s::text IS NULL OR b.queue = %(queue)s) ORDER BY b.id DESC LIMIT %(limit)s"
+)
+
+# One status at a time, in id order (the index's order): no sort of a million rows.
+BATCH_RESULTS = """
+    SELECT id, payload, status, result, last_error FROM {schema}.tasks
+    WHERE batch_id = %(batch_id)s AND status = %(status)s
+    ORDER BY id
+"""
+
+CANCEL_BATCH = (
+    """
+    WITH cancelled AS (
+        UPDATE {schema}.tasks
+        SET status = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
+            finished_at = clock_timestamp(), updated_at = clock_timestamp()
+        WHERE batch_id = %(batch_id)s AND status IN ('enqueued', 'processing')
+        RETURNING id, batch_id
+"""
+    + _COUNT_IN_BULK.format(column="cancelled", sign="+", changed="cancelled")
+    + """
+    SELECT count(*) FROM cancelled
+"""
+)
+
 # A dead task whose idempotency key an unfinished task has taken meanwhile stays dead (the
 # key is unique among unfinished tasks); of several dead tasks sharing a key, the newest.
 # A task without a key is a group of its own (its id in the third column, never mixed
@@ -383,6 +485,7 @@ _DEAD_IN_SCOPE = """
         d.status = 'dead'
           AND (%(task_ids)s::bigint[] IS NULL OR d.id = ANY(%(task_ids)s::bigint[]))
           AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
+          AND (%(batch_id)s::bigint IS NULL OR d.batch_id = %(batch_id)s)
 """
 _KEY_TAKEN = """EXISTS (
                 SELECT 1 FROM {schema}.tasks AS u
@@ -401,13 +504,17 @@ RETRY_DEAD = (
     + """)
         ORDER BY d.queue, d.idempotency_key,
                  CASE WHEN d.idempotency_key IS NULL THEN d.id END, d.id DESC
-    )
+    ), retried AS (
     UPDATE {schema}.tasks AS t
     SET status = 'enqueued', attempts = 0, run_at = clock_timestamp(), finished_at = NULL,
         updated_at = clock_timestamp()
     FROM candidates
     WHERE t.id = candidates.id AND t.status = 'dead'
-    RETURNING t.id
+    RETURNING t.id, t.batch_id
+"""
+    + _COUNT_IN_BULK.format(column="dead", sign="-", changed="retried")
+    + """
+    SELECT id FROM retried
 """
 )
 
@@ -538,6 +645,11 @@ def notify_channel(schema: str) -> str:
 def compose_claim(schema: str, limit: int) -> str:
     """The claim statement for ``schema`` with ``limit`` written in as a literal."""
     return _render(CLAIM_ONE if limit == 1 else CLAIM_MANY, schema, limit=sql.Literal(limit))
+
+
+def compose_index(template: str, schema: str, index: str) -> str:
+    """Render a template over ``{schema}`` and ``{index}``, both quoted as identifiers."""
+    return _render(template, schema, index=sql.Identifier(index))
 
 
 def compose_grant(template: str, schema: str, role: str) -> str:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import dagster as dg
+from dagster._time import get_current_timestamp
 
 from ..models import LIVE, QueueStats, RecoveryEvent
+from ..validation import check_seconds
 from .keys import RECOVERED_THROUGH_EVENT_TAG, queue_asset_key, refuse_shared_keys
 from .resource import LeaseQueueResource
 
@@ -40,8 +43,8 @@ def queue_asset_specs(
         dg.AssetSpec(
             key=queue_asset_key(queue, asset_key_prefix),
             description=(
-                f"The {queue!r} task queue. The sweeper sensor observes it on every tick: "
-                "tasks per status, and every task recovered from an expired lease."
+                f"The {queue!r} task queue. The sweeper sensor observes it: every task "
+                "recovered from an expired lease, and its live task counts when they change."
             ),
             group_name=group_name,
             kinds={"postgres"},
@@ -60,17 +63,28 @@ def build_sweeper_sensor(
     asset_key_prefix: Sequence[str] = ("leasequeue",),
     job: dg.JobDefinition | dg.UnresolvedAssetJobDefinition | None = None,
     events_per_tick: int = 1000,
+    counts_every_seconds: float = 300,
 ) -> dg.SensorDefinition:
     """A sensor that sweeps expired leases and reports each recovery as an asset observation.
 
     Every tick recovers every expired lease, then reports every recovery event after its
     cursor (recoveries made by other sweepers included) as an ``AssetObservation`` on the
-    queue's asset, and each queue's live task counts (``enqueued``, ``processing``,
-    ``dead``, ``due``, the oldest waiting task), read through partial indexes so that a
-    tick costs the same however many finished tasks the table holds. The cursor holds the
-    id of the last event reported, so a tick whose result was thrown away (a preview,
-    "Test sensor") loses nothing: the next real tick reports it. With ``job``, a run of it
-    is requested when recovered tasks are waiting.
+    queue's asset. It also reads each queue's live task counts (``enqueued``,
+    ``processing``, ``dead``, ``due``, the oldest waiting task) through partial indexes, so
+    that a tick costs the same however many finished tasks the table holds, and records
+    them as a ``queue_counts`` observation when they differ from the counts last recorded
+    for that queue, at most once every ``counts_every_seconds`` (default 300; 0 records
+    every change) per queue: a change within that time is recorded by the first tick after
+    it. The age of the oldest waiting task grows by itself and is not compared. The first
+    tick records every queue with live tasks; a queue whose last live task finished is
+    recorded once more, with zeros, by the same rule.
+
+    The cursor holds the id of the last event reported and the counts last recorded for
+    each queue, with when, so a tick whose result was thrown away (a preview, "Test
+    sensor") loses nothing: the next real tick reports it. Time is the tick's
+    (``dagster._time``). With ``job``, a run of it is requested when recovered tasks are
+    waiting. Raises ``ConfigurationError`` (a ``ValueError``) if ``counts_every_seconds``
+    is not a number of seconds, 0 or more.
 
     Example:
         .. code-block:: python
@@ -81,6 +95,7 @@ def build_sweeper_sensor(
             )
     """
     prefix = tuple(asset_key_prefix)
+    counts_every = check_seconds("counts_every_seconds", counts_every_seconds, allow_zero=True)
 
     @dg.sensor(
         name=name,
@@ -90,26 +105,40 @@ def build_sweeper_sensor(
         job=job,
         description=(
             "Recovers tasks whose lease expired (their worker died) and reports each "
-            "recovery, and each queue's task counts, as asset observations."
+            "recovery, and each queue's task counts when they change, as asset observations."
         ),
     )
     def _sweeper(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         resource: LeaseQueueResource = getattr(context.resources, resource_key)
         queue = resource.get_queue()
+        now = get_current_timestamp()
         swept = queue.sweep()
         after, reported = _read_cursor(context.cursor)
+        recorded = _read_recorded(context.cursor)
         events = queue.recovery_events(after, limit=events_per_tick)
         live = queue.stats_by_queue(finished=False)
-        # A queue whose last live task finished since the previous tick is reported once
-        # more, with zeros, so its asset does not keep showing the old counts.
+        # A queue whose last live task finished is reported once more, with zeros, so its
+        # asset does not keep showing the old counts.
         emptied = {
-            name: QueueStats(name, dict.fromkeys(LIVE, 0)) for name in reported - live.keys()
+            gone: QueueStats(gone, dict.fromkeys(LIVE, 0))
+            for gone in (reported | recorded.keys()) - live.keys()
+            if gone not in recorded or any(recorded[gone][1].values())
         }
         per_queue = dict(sorted((live | emptied).items()))
         observations = [_recovery_observation(event, prefix) for event in events]
-        observations += [_counts_observation(stats, prefix) for stats in per_queue.values()]
+        for queue_name, stats in per_queue.items():
+            counts = _counted(stats)
+            if _to_record(counts, recorded.get(queue_name), now, counts_every):
+                observations.append(_counts_observation(stats, prefix))
+                recorded[queue_name] = (now, counts)
+        # Zeros recorded long enough ago are as good as nothing recorded: forget them.
+        recorded = {
+            queue_name: (at, counts)
+            for queue_name, (at, counts) in recorded.items()
+            if queue_name in live or any(counts.values()) or now - at < counts_every
+        }
         last_event = events[-1].id if events else after
-        cursor = json.dumps({"event": last_event, "queues": sorted(live)})
+        cursor = _write_cursor(last_event, live.keys(), recorded)
         summary = _summary(len(swept), events, per_queue)
         context.log.info(summary)
         shared = _shared_keys({event.queue for event in events} | per_queue.keys(), prefix)
@@ -154,10 +183,44 @@ def _shared_keys(queues: set[str], prefix: Sequence[str]) -> str | None:
     )
 
 
+def _counted(stats: QueueStats) -> dict[str, int]:
+    """The counts compared with those last recorded: the live statuses and ``due``."""
+    return {status: stats.counts.get(status, 0) for status in LIVE} | {"due": stats.due}
+
+
+def _to_record(
+    counts: dict[str, int], last: tuple[float, dict[str, int]] | None, now: float, every: float
+) -> bool:
+    """Whether a queue's counts are recorded: they differ from the last recorded (or none
+    were), and that record is ``every`` seconds old (or from the future: the clock was set
+    back, and waiting for it could take long)."""
+    if last is None:
+        return True
+    at, recorded = last
+    return counts != recorded and not 0 <= now - at < every
+
+
+def _write_cursor(
+    event: int, live: Iterable[str], recorded: Mapping[str, tuple[float, dict[str, int]]]
+) -> str:
+    return json.dumps(
+        {
+            "event": event,
+            "queues": sorted(live),
+            "counts": {
+                name: {"at": round(at, 3), **counts}
+                for name, (at, counts) in sorted(recorded.items())
+            },
+        }
+    )
+
+
 def _read_cursor(cursor: str | None) -> tuple[int, set[str]]:
     """The last event id reported, and the queues that had live tasks at that tick.
 
-    The cursor is ``{"event": id, "queues": [...]}``; an older cursor is a bare event id.
+    The cursor is ``{"event": id, "queues": [...], "counts": {...}}`` (see
+    :func:`_read_recorded` for ``counts``); an older cursor lacks ``counts``, and an older
+    one still is a bare event id.
     """
     if not cursor:
         return 0, set()
@@ -178,6 +241,39 @@ def _read_cursor(cursor: str | None) -> tuple[int, set[str]]:
     # Reporting again beats skipping: an unreadable cursor starts from the beginning.
     logger.warning("sweeper sensor cursor %r is not readable; starting over", cursor)
     return 0, set()
+
+
+def _read_recorded(cursor: str | None) -> dict[str, tuple[float, dict[str, int]]]:
+    """The counts last recorded per queue, each with when (a Unix timestamp).
+
+    They are the cursor's ``counts``: ``{queue: {"at": timestamp, "enqueued": n,
+    "processing": n, "dead": n, "due": n}}``. A cursor without them (of an earlier version)
+    or with unreadable ones has nothing recorded, so the next tick records every queue.
+    """
+    if not cursor:
+        return {}
+    try:
+        state = json.loads(cursor)
+    except ValueError:
+        return {}  # _read_cursor warns
+    if not isinstance(state, dict) or "counts" not in state:
+        return {}
+    entries = state["counts"]
+    counted = (*LIVE, "due")
+    if isinstance(entries, dict) and all(
+        isinstance(entry, dict)
+        and entry.keys() == {"at", *counted}
+        and type(entry["at"]) in (int, float)
+        and math.isfinite(entry["at"])
+        and all(type(entry[key]) is int for key in counted)
+        for entry in entries.values()
+    ):
+        return {
+            name: (float(entry["at"]), {key: entry[key] for key in counted})
+            for name, entry in entries.items()
+        }
+    logger.warning("sweeper sensor cursor %r has unreadable counts; recording them again", cursor)
+    return {}
 
 
 def _recovery_observation(event: RecoveryEvent, prefix: Sequence[str]) -> dg.AssetObservation:

@@ -1,0 +1,249 @@
+"""Task batches: enqueued together, counted as they finish, waited on, read back.
+
+A batch is a row of ``batches`` and its tasks carry its id. Its finished tasks are counted
+by a trigger in stripes (see migrations.py, migration 6), so its state costs the same to
+read at 10 tasks or a million, and workers acking its tasks do not queue on one counter.
+:class:`~dagster_leasequeue.queue.LeaseQueue` exposes these functions as its methods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import islice
+from typing import Any
+
+import psycopg
+
+from . import sql
+from .driver import QueueDriver
+from .errors import BatchNotFound, ConfigurationError
+from .models import STATUSES, Batch, BatchInfo, TaskResult
+from .notify import Listener
+from .payloads import encode_object
+from .validation import check_key
+
+# Rows sent to COPY per write, and payloads per statement when keys make COPY unusable.
+COPY_ROWS_PER_WRITE = 2000
+KEYED_ROWS_PER_STATEMENT = 1000
+# Rows fetched per page by batch_results' server-side cursor.
+RESULTS_PAGE = 1000
+
+# COPY's text format: a backslash starts an escape, and tab and newline end a field and a
+# row. A payload's JSON never holds a raw tab, newline or carriage return (json.dumps
+# escapes them in strings), only backslashes; a queue name may hold anything.
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def check_batch_name(name: str | None) -> str | None:
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name.strip() or len(name) > 400:
+        raise ConfigurationError(
+            f"a batch name must be a non-empty text of up to 400 characters, got {name!r}"
+        )
+    return name
+
+
+def enqueue_batch(
+    driver: QueueDriver,
+    payloads: Iterable[Mapping[str, Any]],
+    *,
+    queue: str,
+    name: str | None,
+    priority: int,
+    max_attempts: int,
+    idempotency_keys: Iterable[str] | None,
+    notify: Mapping[str, Any],
+) -> Batch:
+    """Add a batch and its tasks in one transaction; see :meth:`LeaseQueue.enqueue_batch`."""
+    with driver.connection() as conn, conn.transaction():
+        row = conn.execute(
+            driver.statement(sql.CREATE_BATCH), {"name": name, "queue": queue}
+        ).fetchone()
+        if row is None:  # a batch of this name exists: a retried fan-out adds nothing
+            found = conn.execute(driver.statement(sql.BATCH_BY_NAME), {"name": name}).fetchone()
+            assert found is not None  # the conflict's batch is committed, and never deleted
+            return Batch(found[0], name, found[1], int(found[2]), found[3], created=False)
+        batch_id, created_at = row
+        conn.execute(driver.statement(sql.CREATE_BATCH_STRIPES), {"batch_id": batch_id})
+        columns = {
+            "queue": queue,
+            "priority": priority,
+            "max_attempts": max_attempts,
+            "batch_id": batch_id,
+        }
+        max_bytes = driver.settings.payload_max_bytes
+        if idempotency_keys is None:
+            total = _copy_tasks(conn, driver, payloads, columns, max_bytes)
+        else:
+            total = _insert_keyed_tasks(
+                conn, driver, payloads, idempotency_keys, columns, max_bytes
+            )
+        conn.execute(driver.statement(sql.SET_BATCH_TOTAL), {"total": total, "batch_id": batch_id})
+        if total and notify["notify"]:
+            conn.execute(sql.NOTIFY, {"channel": notify["channel"], "payload": queue})
+    return Batch(batch_id, name, queue, total, created_at)
+
+
+def _encoded(payloads: Iterable[Mapping[str, Any]], max_bytes: int) -> Iterator[str]:
+    for index, payload in enumerate(payloads):
+        yield encode_object(payload, what=f"payload #{index}", max_bytes=max_bytes)
+
+
+def _copy_tasks(
+    conn: psycopg.Connection[Any],
+    driver: QueueDriver,
+    payloads: Iterable[Mapping[str, Any]],
+    columns: Mapping[str, Any],
+    max_bytes: int,
+) -> int:
+    """Stream the tasks through COPY, a few thousand rows per write: memory stays flat."""
+    # Every column but the payload is the same on every row.
+    before = columns["queue"].translate(_COPY_ESCAPES) + "\t" + str(columns["priority"]) + "\t"
+    after = "\t" + str(columns["max_attempts"]) + "\t" + str(columns["batch_id"]) + "\n"
+    encoded = _encoded(payloads, max_bytes)
+    total = 0
+    with conn.cursor().copy(driver.statement(sql.COPY_BATCH_TASKS)) as copy:
+        while chunk := list(islice(encoded, COPY_ROWS_PER_WRITE)):
+            copy.write(
+                "".join(before + text.replace("\\", "\\\\") + after for text in chunk).encode()
+            )
+            total += len(chunk)
+    return total
+
+
+def _insert_keyed_tasks(
+    conn: psycopg.Connection[Any],
+    driver: QueueDriver,
+    payloads: Iterable[Mapping[str, Any]],
+    keys: Iterable[str],
+    columns: Mapping[str, Any],
+    max_bytes: int,
+) -> int:
+    """Insert the tasks in chunks, skipping keys held by unfinished tasks, as enqueue does."""
+    statement = driver.statement(sql.ENQUEUE_BATCH_KEYED)
+    pairs = zip(_encoded(payloads, max_bytes), _checked_keys(keys), strict=True)
+    total = 0
+    try:
+        while chunk := list(islice(pairs, KEYED_ROWS_PER_STATEMENT)):
+            texts, chunk_keys = zip(*chunk, strict=True)
+            params = dict(columns) | {"payloads": list(texts), "keys": list(chunk_keys)}
+            total += conn.execute(statement, params).rowcount
+    except ValueError as exc:
+        if "zip()" not in str(exc):
+            raise
+        raise ConfigurationError(
+            "idempotency_keys must have one key per payload: " + str(exc)
+        ) from None
+    return total
+
+
+def _checked_keys(keys: Iterable[str]) -> Iterator[str]:
+    for index, key in enumerate(keys):
+        if key is None:
+            raise ConfigurationError(f"idempotency key #{index} is None: give every task a key")
+        yield check_key(key, f"idempotency key #{index}")  # type: ignore[misc]
+
+
+def batch_info(driver: QueueDriver, batch_id: int) -> BatchInfo:
+    with driver.connection() as conn:
+        row = conn.execute(driver.statement(sql.BATCH_INFO), {"batch_id": batch_id}).fetchone()
+    if row is None:
+        raise BatchNotFound(f"no batch with id {batch_id} in schema {driver.schema!r}")
+    return _info(row)
+
+
+def list_batches(driver: QueueDriver, *, queue: str | None, limit: int) -> list[BatchInfo]:
+    with driver.connection() as conn:
+        rows = conn.execute(
+            driver.statement(sql.LIST_BATCHES), {"queue": queue, "limit": limit}
+        ).fetchall()
+    return [_info(row) for row in rows]
+
+
+def _info(row: Sequence[Any]) -> BatchInfo:
+    batch_id, name, queue, total, created_at, done, dead, cancelled, changed_at, processing = row
+    finished = done + dead + cancelled
+    return BatchInfo(
+        id=batch_id,
+        name=name,
+        queue=queue,
+        total=total,
+        enqueued=max(0, total - finished - processing),
+        processing=processing,
+        done=done,
+        dead=dead,
+        cancelled=cancelled,
+        created_at=created_at,
+        # The last change of a counter is the last task's finish; an empty batch is
+        # finished as it is made.
+        finished_at=(changed_at or created_at) if finished >= total else None,
+    )
+
+
+def batch_results(
+    driver: QueueDriver, batch_id: int, statuses: Sequence[str]
+) -> Iterator[TaskResult]:
+    """Yield the batch's tasks of these statuses, a status at a time, each in id order."""
+    statuses = _checked_statuses(statuses)
+    batch_info(driver, batch_id)  # BatchNotFound before the first next()
+    statement = driver.statement(sql.BATCH_RESULTS)
+    with driver.connection() as conn, conn.transaction():
+        for status in statuses:
+            # A server-side cursor: a million results come a page at a time.
+            with conn.cursor(name=f"leasequeue_batch_{batch_id}") as cursor:
+                cursor.itersize = RESULTS_PAGE
+                cursor.execute(statement, {"batch_id": batch_id, "status": status})
+                for task_id, payload, task_status, result, last_error in cursor:
+                    yield TaskResult(task_id, payload, task_status, result, last_error)
+
+
+def _checked_statuses(statuses: Sequence[str]) -> list[str]:
+    if isinstance(statuses, str):
+        statuses = (statuses,)
+    unknown = [status for status in statuses if status not in STATUSES]
+    if unknown or not statuses:
+        raise ConfigurationError(
+            f"statuses must be some of {', '.join(STATUSES)}; got {list(statuses)!r}"
+        )
+    return list(dict.fromkeys(statuses))
+
+
+def wait_batch(
+    driver: QueueDriver,
+    listener: Listener,
+    batch_id: int,
+    *,
+    timeout: float | None,
+    poll_interval: float,
+) -> BatchInfo:
+    """Wait until the batch has finished, or the timeout passed; return its state.
+
+    Woken by the NOTIFY its last tasks send; polls every ``poll_interval`` seconds too,
+    since a notification can be missed (a connection that dropped, PgBouncer).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    mark = listener.listen()  # before reading: a finish after the read still wakes us
+    while True:
+        info = batch_info(driver, batch_id)
+        if info.finished:
+            return info
+        wait = poll_interval
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+            if wait <= 0:
+                return info
+        mark = listener.wait(wait, mark)
+
+
+def cancel_batch(driver: QueueDriver, batch_id: int, notify_channel: str) -> int:
+    """Cancel the batch's unfinished tasks; return how many."""
+    batch_info(driver, batch_id)
+    with driver.connection() as conn, conn.transaction():
+        conn.execute(sql.COUNTED_IN_BULK)
+        row = conn.execute(driver.statement(sql.CANCEL_BATCH), {"batch_id": batch_id}).fetchone()
+        cancelled = int(row[0]) if row else 0
+        if cancelled:
+            conn.execute(sql.NOTIFY, {"channel": notify_channel, "payload": f"batch:{batch_id}"})
+    return cancelled
