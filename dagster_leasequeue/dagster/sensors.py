@@ -208,8 +208,7 @@ def _write_cursor(
             "event": event,
             "queues": sorted(live),
             "counts": {
-                name: {"at": round(at, 3), **counts}
-                for name, (at, counts) in sorted(recorded.items())
+                name: {"at": at, **counts} for name, (at, counts) in sorted(recorded.items())
             },
         }
     )

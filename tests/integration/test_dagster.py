@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,12 @@ import pytest
 from dagster._core.definitions.sensor_definition import SensorExecutionData
 from dagster._core.test_utils import freeze_time
 
-from dagster_leasequeue import LeaseQueue, LeaseQueueResource, build_sweeper_sensor
+from dagster_leasequeue import (
+    ConfigurationError,
+    LeaseQueue,
+    LeaseQueueResource,
+    build_sweeper_sensor,
+)
 from example_repo.definitions import defs, process_documents
 from example_repo.ticks import run_sensor_tick
 
@@ -133,11 +139,12 @@ def test_sensor_tick_reports_recoveries_in_the_event_log(
     assert all(float(m["seconds_overdue"]) >= 1 for m in recovered)  # type: ignore[arg-type]
     (counts,) = observations(instance, "queue_counts")
     assert (counts["enqueued"], counts["processing"]) == (3, 0)
-    # The next tick (past the sensor's minimum interval) reports only fresh counts.
+    # The next tick (past the sensor's minimum interval) reports neither the recoveries
+    # again nor the counts, which have not changed.
     with freeze_time(time.time() + 60):
         run_sensor_tick(instance, "leasequeue_sweeper")
     assert len(observations(instance, "lease_recovered")) == 2
-    assert len(observations(instance, "queue_counts")) == 2
+    assert len(observations(instance, "queue_counts")) == 1
 
 
 def test_a_dropped_tick_loses_nothing(
@@ -180,7 +187,8 @@ def test_the_cursor_reports_each_recovery_once(example_env: LeaseQueue) -> None:
             if event.metadata["event"].value == "lease_recovered"
         ]
 
-    first, again = tick(None), tick(None)
+    with freeze_time(time.time()):  # the cursor holds when the counts were recorded
+        first, again = tick(None), tick(None)
     assert recovered(first) == recovered(again) == ids
     assert first.cursor == again.cursor
     following = tick(first.cursor)
@@ -205,7 +213,7 @@ def test_sensor_with_a_job_requests_a_worker_run(example_env: LeaseQueue) -> Non
 def test_a_queue_that_emptied_is_reported_once_more_with_zeros(example_env: LeaseQueue) -> None:
     queue = example_env
     queue.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
-    sensor = build_sweeper_sensor()
+    sensor = build_sweeper_sensor(counts_every_seconds=0)
     resources = {"leasequeue": LeaseQueueResource()}
 
     def tick(cursor: str | None) -> SensorExecutionData:
@@ -241,6 +249,141 @@ def test_a_cursor_of_an_earlier_version_is_read(example_env: LeaseQueue) -> None
     with dg.build_sensor_context(cursor=str(event.id), resources=resources) as context:
         result = sensor.evaluate_tick(context)
     assert [e for e in result.asset_events if e.metadata["event"].value == "lease_recovered"] == []
+
+
+def sweeper_tick(sensor: dg.SensorDefinition, cursor: str | None, at: float) -> SensorExecutionData:
+    """One tick of the sensor, evaluated here as if at the time ``at``."""
+    resources = {"leasequeue": LeaseQueueResource()}
+    with freeze_time(at), dg.build_sensor_context(cursor=cursor, resources=resources) as context:
+        return sensor.evaluate_tick(context)
+
+
+def recorded_counts(result: SensorExecutionData) -> dict[str, dict[str, object]]:
+    """The task counts each queue_counts observation of the tick records, by queue."""
+    return {
+        event.asset_key.path[-1]: {
+            key: event.metadata[key].value for key in ("enqueued", "processing", "dead", "due")
+        }
+        for event in result.asset_events
+        if event.metadata["event"].value == "queue_counts"
+    }
+
+
+def recovered_ids(result: SensorExecutionData) -> list[object]:
+    return [
+        event.metadata["task_id"].value
+        for event in result.asset_events
+        if event.metadata["event"].value == "lease_recovered"
+    ]
+
+
+def waiting(enqueued: int) -> dict[str, object]:
+    return {"enqueued": enqueued, "processing": 0, "dead": 0, "due": enqueued}
+
+
+def test_unchanged_counts_are_not_recorded_again(example_env: LeaseQueue) -> None:
+    example_env.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
+    sensor = build_sweeper_sensor()
+    start = time.time()
+    first = sweeper_tick(sensor, None, start)
+    assert recorded_counts(first) == {"documents": waiting(1)}
+    soon = sweeper_tick(sensor, first.cursor, start + 30)
+    assert recorded_counts(soon) == {}
+    assert recorded_counts(sweeper_tick(sensor, soon.cursor, start + 3600)) == {}
+
+
+def test_changed_counts_wait_until_the_interval_has_passed(example_env: LeaseQueue) -> None:
+    queue = example_env
+    queue.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
+    sensor = build_sweeper_sensor()
+    start = time.time()
+    first = sweeper_tick(sensor, None, start)
+    assert recorded_counts(first) == {"documents": waiting(1)}
+    queue.enqueue({"document": "b.pdf", "pages": 1}, queue="documents")
+    queue.enqueue({"n": 1}, queue="reports")
+    # Each queue has its own interval: one not recorded yet is recorded at once.
+    result = sweeper_tick(sensor, first.cursor, start + 60)
+    assert recorded_counts(result) == {"reports": waiting(1)}
+    result = sweeper_tick(sensor, result.cursor, start + 299)
+    assert recorded_counts(result) == {}
+    result = sweeper_tick(sensor, result.cursor, start + 300)
+    assert recorded_counts(result) == {"documents": waiting(2)}
+
+
+def test_changed_counts_after_the_interval_are_recorded(example_env: LeaseQueue) -> None:
+    queue = example_env
+    queue.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
+    sensor = build_sweeper_sensor(counts_every_seconds=120)
+    start = time.time()
+    first = sweeper_tick(sensor, None, start)
+    queue.enqueue({"document": "b.pdf", "pages": 1}, queue="documents")
+    result = sweeper_tick(sensor, first.cursor, start + 400)
+    assert recorded_counts(result) == {"documents": waiting(2)}
+    # The interval runs from that record.
+    queue.enqueue({"document": "c.pdf", "pages": 1}, queue="documents")
+    result = sweeper_tick(sensor, result.cursor, start + 500)
+    assert recorded_counts(result) == {}
+    result = sweeper_tick(sensor, result.cursor, start + 520)
+    assert recorded_counts(result) == {"documents": waiting(3)}
+
+
+def test_a_queue_that_emptied_within_the_interval_gets_its_zeros_after_it(
+    example_env: LeaseQueue,
+) -> None:
+    queue = example_env
+    queue.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
+    sensor = build_sweeper_sensor()
+    start = time.time()
+    first = sweeper_tick(sensor, None, start)
+    lease = queue.claim(queue="documents")
+    assert lease is not None
+    lease.ack()
+    result = sweeper_tick(sensor, first.cursor, start + 60)
+    assert recorded_counts(result) == {}
+    result = sweeper_tick(sensor, result.cursor, start + 300)
+    assert recorded_counts(result) == {"documents": waiting(0)}
+    assert recorded_counts(sweeper_tick(sensor, result.cursor, start + 900)) == {}
+
+
+def test_recovered_tasks_are_reported_on_every_tick(example_env: LeaseQueue) -> None:
+    queue = example_env
+    ids = queue.enqueue_many([{"n": n} for n in range(3)], queue="documents")
+    queue.claim_many(3, queue="documents", worker_id="crashed-worker")
+    sensor = build_sweeper_sensor()
+    start = time.time()
+    result = sweeper_tick(sensor, None, start)
+    assert recovered_ids(result) == []
+    assert recorded_counts(result)["documents"]["processing"] == 3
+    for tick, task_id in enumerate(ids, start=1):
+        expire(queue, task_id)
+        result = sweeper_tick(sensor, result.cursor, start + tick)
+        assert recovered_ids(result) == [task_id]
+        assert recorded_counts(result) == {}
+
+
+def test_a_cursor_without_recorded_counts_records_every_queue_once(
+    example_env: LeaseQueue,
+) -> None:
+    queue = example_env
+    task_id = queue.enqueue({"n": 1}, queue="documents")
+    queue.claim(queue="documents")
+    expire(queue, task_id)
+    queue.sweep()
+    (event,) = queue.recovery_events()
+    # The cursor of the previous version: "reports" had live tasks at its last tick.
+    cursor = json.dumps({"event": event.id, "queues": ["documents", "reports"]})
+    sensor = build_sweeper_sensor()
+    start = time.time()
+    result = sweeper_tick(sensor, cursor, start)
+    assert recovered_ids(result) == []
+    assert recorded_counts(result) == {"documents": waiting(1), "reports": waiting(0)}
+    assert recorded_counts(sweeper_tick(sensor, result.cursor, start + 30)) == {}
+
+
+@pytest.mark.parametrize("every", [-1, "300", True, float("nan"), None])
+def test_counts_every_seconds_is_checked(every: object) -> None:
+    with pytest.raises(ConfigurationError, match="counts_every_seconds"):
+        build_sweeper_sensor(counts_every_seconds=every)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
