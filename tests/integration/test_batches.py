@@ -1,0 +1,271 @@
+"""Task batches: all-or-none fan-out, counters kept by every path, results, waiting."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from dagster_leasequeue import (
+    BatchNotFound,
+    ConfigurationError,
+    LeaseLost,
+    LeaseQueue,
+    PayloadError,
+    migrations,
+)
+
+from ..helpers import expire, run_sql
+
+
+def statuses_of(queue: LeaseQueue, batch_id: int) -> dict[str, int]:
+    """The batch's tasks per status, counted from the tasks themselves."""
+    counted = dict.fromkeys(("enqueued", "processing", "done", "dead", "cancelled"), 0)
+    for status, count in run_sql(
+        queue,
+        "SELECT status, count(*) FROM {schema}.tasks WHERE batch_id = %(id)s GROUP BY 1",
+        {"id": batch_id},
+    ):
+        counted[status] = count
+    return counted
+
+
+def test_a_batch_is_enqueued_counted_and_finished_by_acks_fails_and_cancels(
+    queue: LeaseQueue,
+) -> None:
+    batch = queue.enqueue_batch(({"n": n} for n in range(6)), queue="docs", max_attempts=1)
+    assert (batch.total, batch.queue, batch.created) == (6, "docs", True)
+    info = queue.batch(batch.id)
+    assert (info.enqueued, info.finished, info.finished_at) == (6, False, None)
+    first = queue.claim(queue="docs")
+    second = queue.claim(queue="docs")
+    assert first is not None and second is not None
+    assert queue.batch(batch.id).processing == 2
+    first.ack({"words": 3})
+    second.fail("bad scan")  # max_attempts=1: dead
+    assert queue.cancel_batch(batch.id) == 4
+    info = queue.batch(batch.id)
+    assert info.counts == {"enqueued": 0, "processing": 0, "done": 1, "dead": 1, "cancelled": 4}
+    assert info.finished and info.finished_at is not None
+    assert info.finished_at >= info.created_at
+    assert info.counts == statuses_of(queue, batch.id)
+
+
+def test_a_sweep_that_kills_the_last_task_finishes_the_batch(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([{"n": 1}], queue="docs", max_attempts=1)
+    lease = queue.claim(queue="docs")
+    assert lease is not None
+    expire(queue, lease.task_id)
+    assert not queue.batch(batch.id).finished
+    queue.sweep()
+    info = queue.batch(batch.id)
+    assert (info.dead, info.finished) == (1, True)
+
+
+def test_retry_dead_of_a_batch_makes_it_unfinished_again(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs", max_attempts=1)
+    other = queue.enqueue_batch([{"n": 3}], queue="docs", max_attempts=1)
+    for _ in range(3):
+        lease = queue.claim(queue="docs")
+        assert lease is not None
+        lease.fail("boom")
+    assert queue.batch(batch.id).finished and queue.batch(other.id).finished
+    assert queue.retry_dead(batch=batch.id) == 2
+    info = queue.batch(batch.id)
+    assert (info.dead, info.enqueued, info.finished) == (0, 2, False)
+    assert queue.batch(other.id).dead == 1  # the other batch is left as it was
+    assert queue.retry_dead() == 1  # unscoped: counted for its batch as well
+    assert queue.batch(other.id).counts == statuses_of(queue, other.id)
+
+
+def test_a_named_batch_is_made_once(queue: LeaseQueue) -> None:
+    first = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs", name="run-42")
+
+    def never_read() -> Iterator[dict[str, Any]]:
+        raise AssertionError("the payloads of an existing batch are not read")
+        yield {}
+
+    again = queue.enqueue_batch(never_read(), queue="docs", name="run-42")
+    assert (again.id, again.total, again.created) == (first.id, 2, False)
+    assert queue.stats("docs").counts["enqueued"] == 2
+
+
+def test_a_bad_payload_stores_nothing_and_says_which(queue: LeaseQueue) -> None:
+    payloads: list[Any] = [{"n": 0}, {"n": 1}, {"n": 2}, ["not", "an", "object"]]
+    with pytest.raises(PayloadError, match="payload #3"):
+        queue.enqueue_batch(payloads, queue="docs", name="broken")
+    assert queue.stats("docs").total == 0
+    assert queue.batches() == []
+    # The name is free again: nothing of the failed call was kept.
+    assert queue.enqueue_batch([{"n": 0}], queue="docs", name="broken").created
+
+
+def test_payloads_with_characters_copy_escapes_come_back_as_they_went(
+    queue: LeaseQueue,
+) -> None:
+    payloads = [{"text": "tab\there, newline\nthere, a \\ backslash, \\n, \r and é"}]
+    batch = queue.enqueue_batch(payloads, queue="tab\tand\\slash")
+    (result,) = queue.batch_results(batch.id, statuses=("enqueued",))
+    assert result.payload == payloads[0]
+    assert queue.get(result.task_id).queue == "tab\tand\\slash"
+
+
+def test_idempotency_keys_skip_keys_held_by_unfinished_tasks(queue: LeaseQueue) -> None:
+    queue.enqueue({"n": 0}, queue="docs", idempotency_key="doc-0")
+    batch = queue.enqueue_batch(
+        [{"n": 0}, {"n": 1}, {"n": 1}], queue="docs", idempotency_keys=["doc-0", "doc-1", "doc-1"]
+    )
+    assert batch.total == 1
+    assert queue.batch(batch.id).enqueued == 1
+    with pytest.raises(ConfigurationError, match="one key per payload"):
+        queue.enqueue_batch([{"n": 5}, {"n": 6}], queue="docs", idempotency_keys=["only-one"])
+    assert queue.stats("docs").total == 2
+
+
+def test_batch_results_stream_by_status_in_enqueue_order(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch(({"n": n} for n in range(5)), queue="docs", max_attempts=1)
+    for n in range(5):
+        lease = queue.claim(queue="docs")
+        assert lease is not None
+        if n == 2:
+            lease.fail("page 7 unreadable")
+        else:
+            lease.ack({"double": lease.payload["n"] * 2})
+    done = list(queue.batch_results(batch.id))
+    assert [r.payload["n"] for r in done] == [0, 1, 3, 4]
+    assert [r.result for r in done] == [{"double": 0}, {"double": 2}, {"double": 6}, {"double": 8}]
+    everything = list(queue.batch_results(batch.id, statuses=("dead", "done")))
+    assert everything[0].status == "dead"
+    assert everything[0].last_error == "page 7 unreadable"
+    assert len(everything) == 5
+    with pytest.raises(ConfigurationError, match="statuses"):
+        list(queue.batch_results(batch.id, statuses=("finished",)))
+    with pytest.raises(BatchNotFound, match="12345"):
+        queue.batch(12345)
+    with pytest.raises(BatchNotFound):
+        list(queue.batch_results(12345))
+
+
+def test_wait_batch_is_woken_by_the_last_ack(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs")
+    for _ in range(1):
+        lease = queue.claim(queue="docs")
+        assert lease is not None
+        lease.ack()
+    last = queue.claim(queue="docs")
+    assert last is not None
+    threading.Timer(0.5, last.ack).start()
+    started = time.monotonic()
+    # A poll interval far above the test's bound: only the NOTIFY can end the wait in time.
+    info = queue.wait_batch(batch.id, timeout=30, poll_interval=30)
+    assert info.finished and info.done == 2
+    assert time.monotonic() - started < 5
+
+
+def test_wait_batch_returns_the_unfinished_state_at_its_timeout(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([{"n": 1}], queue="docs")
+    started = time.monotonic()
+    info = queue.wait_batch(batch.id, timeout=0.3, poll_interval=0.1)
+    assert not info.finished and info.enqueued == 1
+    assert time.monotonic() - started < 3
+
+
+def test_an_empty_batch_is_finished_at_once(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([], queue="docs")
+    info = queue.wait_batch(batch.id, timeout=1)
+    assert info.total == 0 and info.finished
+
+
+def test_counts_stay_right_under_concurrent_acks_fails_sweeps_and_a_cancel(
+    queue: LeaseQueue,
+) -> None:
+    batch = queue.enqueue_batch(({"n": n} for n in range(800)), queue="docs", max_attempts=2)
+
+    def work() -> None:
+        while (lease := queue.claim(queue="docs", lease_seconds=30)) is not None:
+            n = lease.payload["n"]
+            # The cancel takes tasks from under their leases.
+            with contextlib.suppress(LeaseLost):
+                if n % 7 == 0:
+                    lease.fail("sevens fail", retry_in=0)
+                elif n % 11 == 0:
+                    expire(queue, lease.task_id)  # left to a sweeper
+                    queue.sweep()
+                else:
+                    lease.ack()
+
+    with ThreadPoolExecutor(4) as pool:
+        workers = [pool.submit(work) for _ in range(4)]
+        time.sleep(0.3)
+        queue.cancel_batch(batch.id)
+        for worker in workers:
+            worker.result()
+    info = queue.batch(batch.id)
+    assert info.counts == statuses_of(queue, batch.id)
+    assert info.finished and info.total == 800
+
+
+_ENQUEUE_IN_A_PROCESS = """
+import resource, sys
+from dagster_leasequeue import LeaseQueue
+dsn, schema, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with LeaseQueue(dsn, schema=schema) as queue:
+    payloads = ({"document": f"doc-{n:07d}.pdf", "pages": n % 300} for n in range(count))
+    batch = queue.enqueue_batch(payloads, queue="docs")
+    assert batch.total == count, batch
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_a_million_payloads_from_a_generator_with_flat_memory(queue: LeaseQueue, dsn: str) -> None:
+    """The peak memory of a process that enqueues a million payloads is that of one that
+    enqueues ten thousand: a few thousand rows are in flight at a time."""
+
+    def peak_kilobytes(count: int) -> int:
+        done = subprocess.run(
+            [sys.executable, "-c", _ENQUEUE_IN_A_PROCESS, dsn, queue.schema, str(count)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        return int(done.stdout.split()[-1])
+
+    small = peak_kilobytes(10_000)
+    large = peak_kilobytes(1_000_000)
+    assert queue.stats("docs").counts["enqueued"] == 1_010_000
+    assert large - small < 20 * 1024, f"{small} kB for 10k payloads, {large} kB for 1M"
+
+
+def test_an_upgrade_builds_the_batch_index_concurrently_and_mends_an_interrupted_build(
+    make_queue: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = make_queue()
+    with monkeypatch.context() as older_release:
+        older_release.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:6])
+        older_release.setattr(migrations, "LATEST_VERSION", 6)
+        queue.install()
+    queue.enqueue_many([{"n": n} for n in range(10)])
+    # An interrupted CREATE INDEX CONCURRENTLY leaves an invalid index of that name.
+    run_sql(queue, "CREATE INDEX tasks_batch_idx ON {schema}.tasks (id)")
+    run_sql(
+        queue,
+        "UPDATE pg_index SET indisvalid = false WHERE indexrelid = "
+        "'{schema}.tasks_batch_idx'::regclass",
+    )
+    assert queue.install() == 1
+    (definition,) = run_sql(
+        queue,
+        "SELECT pg_get_indexdef(i.indexrelid) || ' ' || i.indisvalid FROM pg_index AS i "
+        "WHERE i.indexrelid = '{schema}.tasks_batch_idx'::regclass",
+    )
+    assert "(batch_id, status, id)" in definition[0] and definition[0].endswith("true")
+    assert queue.install() == 0
+    assert queue.enqueue_batch([{"n": 1}], queue="docs").total == 1
