@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from dagster_leasequeue import (
+    BatchInfo,
     ConfigurationError,
     DatabaseUnavailable,
     LeaseQueue,
@@ -36,6 +37,8 @@ from dagster_leasequeue.cli_format import (
     DURATION,
     age,
     echo_json,
+    elapsed,
+    flat,
     parse_object,
     shorten,
     table,
@@ -401,21 +404,148 @@ def _describe_task(task: TaskInfo) -> str:
     return "\n".join(lines)
 
 
+@main.command()
+@click.option("--queue", "queue_name", help="Only batches of this queue.")
+@click.option(
+    "--limit", type=click.IntRange(1, 100_000), default=100, show_default=True, help="Most rows."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (every field) instead.")
+@click.pass_context
+def batches(ctx: click.Context, queue_name: str | None, limit: int, as_json: bool) -> None:
+    """List batches, newest first.
+
+    Each with its task counts (pending: enqueued or processing) and whether it has
+    finished. When the page is full, a note that older batches may exist is printed on
+    stderr.
+    """
+    infos = _open_queue(ctx).batches(queue=queue_name, limit=limit)
+    if as_json:
+        echo_json([_batch_dict(info) for info in infos])
+    elif not infos:
+        click.echo("no batches")
+    else:
+        click.echo(_batches_table(infos))
+    if len(infos) == limit:
+        click.echo(f"older batches may exist: these are the newest {limit} (--limit)", err=True)
+
+
+def _batch_state(info: BatchInfo) -> str:
+    return "finished" if info.finished else "running"
+
+
+def _batch_duration(info: BatchInfo) -> float | None:
+    """Seconds from the batch's creation to its last task's finish; None while running."""
+    if info.finished_at is None:
+        return None
+    return (info.finished_at - info.created_at).total_seconds()
+
+
+def _batch_dict(info: BatchInfo) -> dict[str, Any]:
+    return {
+        **asdict(info),
+        "pending": info.enqueued + info.processing,
+        "finished": info.finished,
+        "duration_seconds": _batch_duration(info),
+        "counts": info.counts,
+    }
+
+
+def _batches_table(infos: Sequence[BatchInfo]) -> str:
+    headers = [
+        "ID",
+        "NAME",
+        "QUEUE",
+        "TOTAL",
+        "DONE",
+        "DEAD",
+        "CANCELLED",
+        "PENDING",
+        "STATE",
+        "CREATED",
+        "FINISHED",
+    ]
+    rows = [
+        [
+            str(info.id),
+            "-" if info.name is None else shorten(flat(info.name), 40),
+            info.queue,
+            str(info.total),
+            str(info.done),
+            str(info.dead),
+            str(info.cancelled),
+            str(info.enqueued + info.processing),
+            _batch_state(info),
+            when(info.created_at),
+            when(info.finished_at),
+        ]
+        for info in infos
+    ]
+    return table(headers, rows, numeric={0, 3, 4, 5, 6, 7})
+
+
+@main.command()
+@click.argument("batch_id", type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead.")
+@click.pass_context
+def batch(ctx: click.Context, batch_id: int, as_json: bool) -> None:
+    """Show every field of the batch BATCH_ID.
+
+    Its tasks per status, whether it has finished, and when finished, how long it took
+    from its creation to its last task's finish.
+    """
+    info = _open_queue(ctx).batch(batch_id)
+    if as_json:
+        echo_json(_batch_dict(info))
+    else:
+        click.echo(_describe_batch(info))
+
+
+def _batch_name(name: str | None) -> str:
+    if name is None:
+        return "-"
+    # A name with newlines or tabs is shown as a JSON string, on one line and exactly.
+    return name if name == flat(name) else json.dumps(name, ensure_ascii=False)
+
+
+def _describe_batch(info: BatchInfo) -> str:
+    fields = [
+        ("id", str(info.id)),
+        ("name", _batch_name(info.name)),
+        ("queue", info.queue),
+        ("state", _batch_state(info)),
+        ("total", str(info.total)),
+        *((status, str(count)) for status, count in info.counts.items()),
+        ("created at", when(info.created_at)),
+        ("finished at", when(info.finished_at)),
+        ("duration", elapsed(_batch_duration(info))),
+    ]
+    return "\n".join(f"{name + ':':<18}{value}" for name, value in fields)
+
+
 # -- steering ------------------------------------------------------------------------------
 
 
 @main.command("retry-dead")
 @click.argument("task_ids", nargs=-1, type=click.IntRange(min=1))
 @click.option("--queue", "queue_name", help="Only dead tasks of this queue.")
+@click.option(
+    "--batch", "batch_id", type=click.IntRange(min=1), help="Only dead tasks of this batch."
+)
 @click.pass_context
-def retry_dead(ctx: click.Context, task_ids: tuple[int, ...], queue_name: str | None) -> None:
+def retry_dead(
+    ctx: click.Context, task_ids: tuple[int, ...], queue_name: str | None, batch_id: int | None
+) -> None:
     """Enqueue dead tasks again; print how many.
 
     Each gets a fresh budget of attempts. With TASK_IDS, only those; with --queue, only
-    that queue's; with neither, every dead task. A dead task whose idempotency key an
-    unfinished task has taken stays dead.
+    that queue's; with --batch, only that batch's (exit code 1 if there is no such batch);
+    with none of them, every dead task. A dead task whose idempotency key an unfinished
+    task has taken stays dead.
     """
-    count = _open_queue(ctx).retry_dead(list(task_ids) if task_ids else None, queue=queue_name)
+    queue = _open_queue(ctx)
+    if batch_id is not None:
+        queue.batch(batch_id)  # a mistyped id is an error, not "0 dead task(s)"
+    count = queue.retry_dead(list(task_ids) if task_ids else None, queue=queue_name, batch=batch_id)
     click.echo(f"enqueued {count} dead task(s) again")
 
 
@@ -434,6 +564,19 @@ def cancel(ctx: click.Context, task_id: int) -> None:
         return
     status = queue.get(task_id).status
     raise click.ClickException(f"task {task_id} had already finished ({status}); nothing changed")
+
+
+@main.command("cancel-batch")
+@click.argument("batch_id", type=click.IntRange(min=1))
+@click.pass_context
+def cancel_batch(ctx: click.Context, batch_id: int) -> None:
+    """Cancel the unfinished tasks of a batch; print how many.
+
+    Workers holding tasks of the batch BATCH_ID lose their lease; its finished tasks are
+    left as they are (a finished batch: 0 cancelled, exit code 0).
+    """
+    count = _open_queue(ctx).cancel_batch(batch_id)
+    click.echo(f"cancelled {count} task(s) of batch {batch_id}")
 
 
 @main.command()

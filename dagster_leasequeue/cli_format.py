@@ -124,5 +124,17 @@ def when(value: datetime | None) -> str:
     return "-" if value is None else value.isoformat(sep=" ", timespec="seconds")
 
 
+def elapsed(seconds: float | None) -> str:
+    """A duration to read: ``0.42s`` under a minute, else as :func:`age` (``3m12s``)."""
+    if seconds is None:
+        return "-"
+    return f"{seconds:.2f}s" if seconds < 60 else age(seconds)
+
+
+def flat(text: str) -> str:
+    """One line for a table cell: runs of whitespace (newlines, tabs) become one space."""
+    return " ".join(text.split())
+
+
 def shorten(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"

@@ -79,8 +79,11 @@ def test_help_lists_every_command() -> None:
         "stats",
         "list",
         "show",
+        "batches",
+        "batch",
         "retry-dead",
         "cancel",
+        "cancel-batch",
         "sweep",
         "purge",
         "worker",
@@ -282,6 +285,150 @@ def test_show_prints_every_field(cli: Invoke, queue: LeaseQueue) -> None:
     assert "no task with id 999999" in one_line_error(missing)
 
 
+def finish_one(queue: LeaseQueue, name: str, outcome: str) -> int:
+    """Claim the next task of queue ``name`` and ack it ("done") or fail it (dead, when it
+    has one attempt); return its id."""
+    lease = queue.claim(queue=name)
+    assert lease is not None
+    if outcome == "done":
+        lease.ack()
+    else:
+        assert lease.fail("boom") == outcome
+    return lease.task_id
+
+
+def test_batches_lists_newest_first_as_a_table_and_json(cli: Invoke, queue: LeaseQueue) -> None:
+    assert cli("batches").stdout.strip() == "no batches"
+    running = queue.enqueue_batch(
+        [{"n": n} for n in range(4)], queue="alpha", name="nightly run", max_attempts=1
+    )
+    finish_one(queue, "alpha", "done")
+    finish_one(queue, "alpha", "dead")
+    lease = queue.claim(queue="alpha")  # one processing, one enqueued: two pending
+    assert lease is not None
+    empty = queue.enqueue_batch([], queue="beta")  # finished as it is made
+
+    table = cli("batches").stdout.splitlines()
+    assert table[0].split() == [
+        "ID",
+        "NAME",
+        "QUEUE",
+        "TOTAL",
+        "DONE",
+        "DEAD",
+        "CANCELLED",
+        "PENDING",
+        "STATE",
+        "CREATED",
+        "FINISHED",
+    ]
+    # Newest first; CREATED and FINISHED are a date and a time each.
+    assert table[1].split()[:9] == [str(empty.id), "-", "beta", "0", "0", "0", "0", "0", "finished"]
+    assert len(table[1].split()) == 13
+    assert table[2].split()[:10] == [
+        str(running.id),
+        "nightly",
+        "run",
+        "alpha",
+        "4",
+        "1",
+        "1",
+        "0",
+        "2",
+        "running",
+    ]
+    assert table[2].split()[-1] == "-"  # not finished
+
+    only_alpha = cli("batches", "--queue", "alpha").stdout.splitlines()
+    assert [int(line.split()[0]) for line in only_alpha[1:]] == [running.id]
+    assert cli("batches", "--queue", "nowhere").stdout.strip() == "no batches"
+    page = cli("batches", "--limit", "1")
+    assert [int(line.split()[0]) for line in page.stdout.splitlines()[1:]] == [empty.id]
+    assert "older batches may exist" in page.stderr  # the page was full
+    assert cli("batches").stderr == ""
+
+    listed = json.loads(cli("batches", "--json").stdout)
+    assert [batch["id"] for batch in listed] == [empty.id, running.id]
+    newest, oldest = listed
+    assert newest["finished"] is True and newest["duration_seconds"] >= 0
+    assert oldest["name"] == "nightly run" and oldest["queue"] == "alpha"
+    assert oldest["counts"] == {
+        "enqueued": 1,
+        "processing": 1,
+        "done": 1,
+        "dead": 1,
+        "cancelled": 0,
+    }
+    assert (oldest["total"], oldest["pending"], oldest["finished"]) == (4, 2, False)
+    assert oldest["finished_at"] is None and oldest["duration_seconds"] is None
+    assert cli("batches", "--limit", "0").exit_code == 2
+
+
+def test_batch_shows_every_field_and_its_duration(cli: Invoke, queue: LeaseQueue) -> None:
+    made = queue.enqueue_batch([{"n": n} for n in range(3)], queue="docs", name="scans\nmonday")
+    finish_one(queue, "docs", "done")
+
+    running = cli("batch", str(made.id)).stdout
+    for expected in [
+        f"id:               {made.id}",
+        'name:             "scans\\nmonday"',  # a name with a newline, kept on one line
+        "queue:            docs",
+        "state:            running",
+        "total:            3",
+        "enqueued:         2",
+        "processing:       0",
+        "done:             1",
+        "dead:             0",
+        "cancelled:        0",
+        "finished at:      -",
+        "duration:         -",
+    ]:
+        assert expected in running.splitlines(), (expected, running)
+
+    for _ in range(2):
+        finish_one(queue, "docs", "done")
+    finished = cli("batch", str(made.id)).stdout
+    assert "state:            finished" in finished and "done:             3" in finished
+    [duration] = [line for line in finished.splitlines() if line.startswith("duration:")]
+    assert duration.endswith("s") and duration.split()[1] != "-"
+
+    shown = json.loads(cli("batch", str(made.id), "--json").stdout)
+    assert (shown["id"], shown["name"], shown["queue"]) == (made.id, "scans\nmonday", "docs")
+    assert shown["counts"] == {
+        "enqueued": 0,
+        "processing": 0,
+        "done": 3,
+        "dead": 0,
+        "cancelled": 0,
+    }
+    assert shown["finished"] is True and shown["pending"] == 0 and shown["total"] == 3
+    assert shown["duration_seconds"] >= 0 and shown["finished_at"] >= shown["created_at"]
+
+    missing = cli("batch", "999999")
+    assert missing.exit_code == 1
+    assert "no batch with id 999999" in one_line_error(missing)
+    assert cli("batch", "0").exit_code == 2
+
+
+def test_a_missing_batch_exits_with_1_in_a_real_process(
+    dsn: str, schema_name: str, queue: LeaseQueue
+) -> None:
+    for args in (["batch", "424242", "--json"], ["cancel-batch", "424242"]):
+        result = subprocess.run(
+            [*CLI, *args],
+            cwd=REPO,
+            env=cli_env(dsn, schema_name),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1, result.stderr
+        assert result.stdout == ""
+        assert result.stderr.strip() == (
+            f"Error: no batch with id 424242 in schema {schema_name!r}"
+        )
+
+
 # -- steering ------------------------------------------------------------------------------
 
 
@@ -318,6 +465,57 @@ def test_retry_dead_by_id_by_queue_and_all(cli: Invoke, queue: LeaseQueue) -> No
     assert "enqueued 1 " in cli("retry-dead").stdout
     assert queue.get(second).status == "enqueued"
     assert "enqueued 0 " in cli("retry-dead").stdout
+
+
+def test_retry_dead_by_batch(cli: Invoke, queue: LeaseQueue) -> None:
+    first = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="first", max_attempts=1)
+    second = queue.enqueue_batch([{"n": 3}], queue="second", max_attempts=1)
+    dead_in_first = [finish_one(queue, "first", "dead") for _ in range(2)]
+    dead_in_second = finish_one(queue, "second", "dead")
+    dead_alone = kill_task(queue, {"n": 4})
+    assert queue.batch(first.id).finished
+
+    retried = cli("retry-dead", "--batch", str(first.id))
+    assert retried.stdout.strip() == "enqueued 2 dead task(s) again"
+    assert {queue.get(task_id).status for task_id in dead_in_first} == {"enqueued"}
+    assert queue.get(dead_in_second).status == "dead" and queue.get(dead_alone).status == "dead"
+    assert queue.batch(first.id).counts["enqueued"] == 2  # running again
+
+    # --batch narrows the other filters, and they narrow it.
+    assert "enqueued 0 " in cli("retry-dead", "--batch", str(second.id), "--queue", "first").stdout
+    assert "enqueued 0 " in cli("retry-dead", str(dead_alone), "--batch", str(second.id)).stdout
+    assert "enqueued 1 " in cli("retry-dead", "--batch", str(second.id)).stdout
+    assert queue.get(dead_in_second).status == "enqueued"
+    assert queue.get(dead_alone).status == "dead"
+
+    missing = cli("retry-dead", "--batch", "999999")
+    assert missing.exit_code == 1
+    assert "no batch with id 999999" in one_line_error(missing)
+    assert cli("retry-dead", "--batch", "first").exit_code == 2
+
+
+def test_cancel_batch(cli: Invoke, queue: LeaseQueue) -> None:
+    made = queue.enqueue_batch([{"n": n} for n in range(3)], queue="docs")
+    other = queue.enqueue_batch([{"n": 9}], queue="docs")
+    done = finish_one(queue, "docs", "done")
+    lease = queue.claim(queue="docs")  # the batch's second task, held by a worker
+    assert lease is not None
+
+    result = cli("cancel-batch", str(made.id))
+    assert result.stdout.strip() == f"cancelled 2 task(s) of batch {made.id}"
+    info = queue.batch(made.id)
+    assert info.finished and (info.done, info.cancelled) == (1, 2)
+    assert queue.get(done).status == "done"
+    assert queue.get(lease.task_id).status == "cancelled"
+    assert queue.batch(other.id).counts["enqueued"] == 1  # another batch is left alone
+
+    # A finished batch: nothing to cancel, and no error (unlike cancel of a finished task).
+    again = cli("cancel-batch", str(made.id))
+    assert again.exit_code == 0
+    assert again.stdout.strip() == f"cancelled 0 task(s) of batch {made.id}"
+    missing = cli("cancel-batch", "999999")
+    assert missing.exit_code == 1
+    assert "no batch with id 999999" in one_line_error(missing)
 
 
 def test_sweep_prints_each_recovered_task(cli: Invoke, queue: LeaseQueue) -> None:
