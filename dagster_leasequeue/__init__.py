@@ -41,6 +41,11 @@ from dagster_leasequeue.worker import (
 )
 
 if TYPE_CHECKING:
+    from dagster_leasequeue.dagster.batches import (
+        batch_id_from_run as batch_id_from_run,
+        batch_metadata as batch_metadata,
+        build_batch_sensor as build_batch_sensor,
+    )
     from dagster_leasequeue.dagster.checks import (
         build_queue_asset_checks as build_queue_asset_checks,
     )
@@ -58,6 +63,9 @@ if TYPE_CHECKING:
 # needs the queue skips Dagster.
 _DAGSTER_EXPORTS = {
     "LeaseQueueResource": "dagster_leasequeue.dagster.resource",
+    "batch_id_from_run": "dagster_leasequeue.dagster.batches",
+    "batch_metadata": "dagster_leasequeue.dagster.batches",
+    "build_batch_sensor": "dagster_leasequeue.dagster.batches",
     "build_queue_asset_checks": "dagster_leasequeue.dagster.checks",
     "build_worker_launcher_sensor": "dagster_leasequeue.dagster.launcher",
     "build_sweeper_sensor": "dagster_leasequeue.dagster.sensors",
@@ -98,6 +106,9 @@ __all__ = [
     "TransactionAbandoned",
     "WorkerSummary",
     "__version__",
+    "batch_id_from_run",
+    "batch_metadata",
+    "build_batch_sensor",
     "build_queue_asset_checks",
     "build_sweeper_sensor",
     "build_worker_launcher_sensor",

@@ -12,6 +12,9 @@ import dagster as dg
 from dagster_leasequeue import (
     Lease,
     LeaseQueueResource,
+    batch_id_from_run,
+    batch_metadata,
+    build_batch_sensor,
     build_queue_asset_checks,
     build_sweeper_sensor,
     build_worker_launcher_sensor,
@@ -96,14 +99,71 @@ def process_documents() -> None:
     process_documents_op()
 
 
+# -- fan out and fan in: a batch of documents, and a report once all are summarised -------
+
+# The report's check fails when more than this share of the batch ended dead.
+MAX_DEAD_SHARE = 0.1
+
+
+@dg.asset(description="Fans the documents out as one batch of tasks for the workers.")
+def document_batch(
+    context: dg.AssetExecutionContext, config: EnqueueConfig, leasequeue: LeaseQueueResource
+) -> dg.MaterializeResult:
+    payloads = (document for _ in range(config.copies) for document in DOCUMENTS)
+    # Named after the run: a retry of this step finds the batch it made instead of a second.
+    batch = leasequeue.enqueue_batch(payloads, queue=QUEUE, name=f"document_batch:{context.run_id}")
+    context.log.info(f"batch {batch.id}: {batch.total} documents enqueued")
+    return dg.MaterializeResult(metadata=batch_metadata(batch))
+
+
+@dg.asset(
+    deps=[document_batch],
+    description="Words per document kind, from every summary of a finished batch.",
+    check_specs=[dg.AssetCheckSpec("few_dead_documents", asset="document_report")],
+)
+def document_report(
+    context: dg.AssetExecutionContext, leasequeue: LeaseQueueResource
+) -> dg.MaterializeResult:
+    batch_id = batch_id_from_run(context)
+    info = leasequeue.batch(batch_id)
+    words: dict[str, int] = {}
+    for task in leasequeue.batch_results(batch_id):
+        kind = task.payload["kind"]
+        words[kind] = words.get(kind, 0) + int((task.result or {}).get("words", 0))
+    dead_share = info.dead / info.total if info.total else 0.0
+    return dg.MaterializeResult(
+        metadata={
+            "batch_id": batch_id,
+            "documents": info.total,
+            "summarised": info.done,
+            "dead": info.dead,
+            "cancelled": info.cancelled,
+            "words_by_kind": dg.MetadataValue.json(words),
+        },
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="few_dead_documents",
+                passed=dead_share <= MAX_DEAD_SHARE,
+                metadata={"dead_share": round(dead_share, 4), "limit": MAX_DEAD_SHARE},
+            )
+        ],
+    )
+
+
 defs = dg.Definitions(
     jobs=[enqueue_documents, process_documents],
-    assets=queue_asset_specs([QUEUE]),
+    assets=[*queue_asset_specs([QUEUE]), document_batch, document_report],
     asset_checks=build_queue_asset_checks(
         [QUEUE], stuck_after_seconds=120, max_oldest_waiting_seconds=600
     ),
     sensors=[
         build_sweeper_sensor(minimum_interval_seconds=15),
+        build_batch_sensor(
+            name="document_report_when_batch_finished",
+            upstream=document_batch.key,
+            asset_selection=[document_report],
+            minimum_interval_seconds=15,
+        ),
         build_worker_launcher_sensor(
             process_documents, max_concurrent_runs=2, tasks_per_run=3, minimum_interval_seconds=15
         ),

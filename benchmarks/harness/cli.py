@@ -17,7 +17,17 @@ from benchmarks.harness.db import environment, probe_round_trips
 from benchmarks.harness.progress import Progress
 from benchmarks.harness.report import table, write_json
 from benchmarks.harness.results import Results
-from benchmarks.sections import drain, enqueue, latency, memory, plans, polling, renew, sweep
+from benchmarks.sections import (
+    batches,
+    drain,
+    enqueue,
+    latency,
+    memory,
+    plans,
+    polling,
+    renew,
+    sweep,
+)
 from dagster_leasequeue.dsn import redact
 
 
@@ -45,6 +55,7 @@ RUNNERS: dict[str, Section] = {
         lambda r: memory.render_memory(r.memory, r.drain) if r.memory else "",
     ),
     "sweep": Section(sweep.run, lambda r: sweep.render(r.sweep or [])),
+    "batches": Section(batches.run, lambda r: batches.render(r.batches) if r.batches else ""),
 }
 
 

@@ -18,6 +18,7 @@ SECTIONS = (
     "polling",
     "memory",
     "sweep",
+    "batches",
 )
 
 
@@ -49,6 +50,15 @@ class BenchConfig:
     poll_samples: int = 30
     memory_strategy: str = "lq_batch"
     memory_tasks: int = 1_000_000
+    batch_enqueue_tasks: int = 100_000
+    batch_enqueue_pairs: int = 2
+    # One pair of 20,000-task drains per cell: four one-at-a-time drains already take
+    # about two of the section's three minutes on two cores.
+    batch_drain_pairs: int = 1
+    batch_info_tasks: int = 1_000_000
+    batch_info_acked: int = 1000
+    batch_info_processing: int = 5
+    batch_info_calls: int = 2000
     sections: tuple[str, ...] = SECTIONS
     output: Path = RESULTS_DIR / "latest.json"
     plot: Path | None = RESULTS_DIR / "latest.png"
@@ -75,4 +85,9 @@ def quick(dsn: str, tasks: int | None = None) -> BenchConfig:
         sweeper_pairs=1,
         poll_samples=10,
         memory_tasks=10_000,
+        batch_enqueue_tasks=10_000,
+        batch_enqueue_pairs=1,
+        batch_info_tasks=100_000,
+        batch_info_acked=200,
+        batch_info_calls=300,
     )

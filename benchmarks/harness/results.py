@@ -8,6 +8,7 @@ from typing import Any
 from benchmarks.harness.config import BenchConfig
 from benchmarks.harness.runner import DrainResult
 from benchmarks.harness.stats import Summary
+from benchmarks.sections.batches import BatchesResult
 from benchmarks.sections.drain import SweeperResult, throughputs
 from benchmarks.sections.enqueue import EnqueueResult
 from benchmarks.sections.latency import LatencyResult
@@ -48,6 +49,7 @@ class Results:
     polling: list[PollingResult] | None = None
     memory: MemoryResult | None = None
     sweep: list[SweepResult] | None = None
+    batches: BatchesResult | None = None
     targets: list[Target] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 

@@ -13,12 +13,13 @@ import queue as queue_module
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
+import psycopg
 from psycopg.conninfo import make_conninfo
 
 from benchmarks.harness.cpu import backend_cpu, spent
@@ -37,6 +38,17 @@ from benchmarks.harness.strategies import STRATEGIES, Drainer
 _SPAWN = multiprocessing.get_context("spawn")
 _START_TIMEOUT = 120.0
 _DRAIN_TIMEOUT = 900.0
+
+Filler = Callable[[str, str, int], None]
+"""Puts a drain's ``tasks`` tasks in its fresh schema: ``(dsn, schema, tasks)``."""
+Reader = Callable[[psycopg.Connection[Any]], dict[str, int]]
+"""Reads from a drained schema (search_path set), before it is dropped, what a section keeps."""
+
+
+def fill_no_ops(dsn: str, schema: str, tasks: int) -> None:
+    """The drains' usual tasks: no-op rows written in one statement, no package code."""
+    with connect(dsn, schema) as conn:
+        fill_tasks(conn, tasks)
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,7 @@ class DrainResult:
     client_cpu_us: float
     server_cpu_us: float | None
     sweep_ms: list[float] = field(default_factory=list)
+    readings: dict[str, int] = field(default_factory=dict)  # what the drain's Reader read
 
     @property
     def throughput(self) -> float:
@@ -166,11 +179,14 @@ def run_drain(
     batch: int,
     sample_every: int,
     sweep_interval: float | None = None,
+    fill: Filler = fill_no_ops,
+    read: Reader | None = None,
 ) -> DrainResult:
-    """Fill a fresh schema with ``tasks`` no-op tasks, then drain it with ``workers``."""
+    """Fill a fresh schema with ``tasks`` tasks (no-op rows unless ``fill`` says otherwise),
+    then drain it with ``workers``."""
     with bench_schema(dsn, f"drain_{strategy}") as schema:
+        fill(dsn, schema, tasks)
         with connect(dsn, schema) as conn:
-            fill_tasks(conn, tasks)
             vacuum(conn)
             checkpoint(conn)
         job = DrainJob(dsn, schema, strategy, batch, sample_every)
@@ -178,6 +194,7 @@ def run_drain(
         reports = _run_workers(job, workers, sweeper)
         with connect(dsn, schema) as conn:
             verified = status_counts(conn) == {"done": tasks}
+            readings = read(conn) if read is not None else {}
     tasks_done = max(1, sum(r.tasks for r in reports))
     server_cpu = [r.server_cpu for r in reports]
     return DrainResult(
@@ -194,6 +211,7 @@ def run_drain(
         if None in server_cpu
         else sum(c for c in server_cpu if c is not None) / tasks_done * 1e6,
         sweep_ms=sweeper.durations_ms if sweeper else [],
+        readings=readings,
     )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from benchmarks.harness.config import BenchConfig
 from benchmarks.harness.progress import Progress
 from benchmarks.harness.report import table
-from benchmarks.harness.runner import DrainResult, run_drain
+from benchmarks.harness.runner import DrainResult, Filler, Reader, fill_no_ops, run_drain
 from benchmarks.harness.stats import ratio
 from benchmarks.harness.strategies import DRAIN_ORDER, STRATEGIES
 
@@ -22,10 +22,14 @@ def drain(
     *,
     tasks: int | None = None,
     sweep_interval: float | None = None,
+    fill: Filler = fill_no_ops,
+    read: Reader | None = None,
+    label: str = "",
 ) -> DrainResult:
     count = tasks or config.tasks
     sweeping = f", sweep every {sweep_interval:g} s" if sweep_interval else ""
-    log(f"drain {strategy} x{workers} ({count} tasks{sweeping})")
+    kind = f" {label}" if label else ""
+    log(f"drain {strategy} x{workers} ({count}{kind} tasks{sweeping})")
     result = run_drain(
         config.dsn,
         strategy,
@@ -34,6 +38,8 @@ def drain(
         batch=config.batch,
         sample_every=max(config.batch, count // 20),
         sweep_interval=sweep_interval,
+        fill=fill,
+        read=read,
     )
     log(f"  {result.throughput:,.0f} tasks/s in {result.seconds:.2f} s")
     return result
@@ -55,20 +61,33 @@ def run_matrix(config: BenchConfig, log: Progress) -> list[DrainResult]:
         for workers in config.workers:
             for name in order:
                 try:
-                    results.extend(_repeat(config, log, name, workers))
+                    results.extend(repeat_drain(config, log, name, workers))
                 except Exception as error:
                     log.failed(f"drain {name} x{workers}", error)
     return results
 
 
-def _repeat(config: BenchConfig, log: Progress, name: str, workers: int) -> list[DrainResult]:
+def repeat_drain(
+    config: BenchConfig,
+    log: Progress,
+    name: str,
+    workers: int,
+    *,
+    fill: Filler = fill_no_ops,
+    read: Reader | None = None,
+    label: str = "",
+) -> list[DrainResult]:
     """Drain again until the runs add up to ``min_drain_seconds`` (short drains are noisy)."""
-    runs = [drain(config, log, name, workers)]
+
+    def once() -> DrainResult:
+        return drain(config, log, name, workers, fill=fill, read=read, label=label)
+
+    runs = [once()]
     while (
         sum(run.seconds for run in runs) < config.min_drain_seconds
         and len(runs) < config.max_drain_repeats
     ):
-        runs.append(drain(config, log, name, workers))
+        runs.append(once())
     return runs
 
 

@@ -144,9 +144,15 @@ def explain_sweep(conn: psycopg.Connection[Any], schema: str, batch: int) -> Pla
     template = getattr(lq_sql, "SWEEP_BATCH", None)
     if template is None:
         return None
-    statement = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + lq_sql.compose(template, schema)
+    return explain(conn, lq_sql.compose(template, schema), {"limit": batch})
+
+
+def explain(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> Plan | None:
+    """A statement run under EXPLAIN (ANALYZE, BUFFERS), rolled back; None if unavailable."""
     with conn.transaction(force_rollback=True):
-        row = conn.execute(statement, {"limit": batch}).fetchone()
+        row = conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, params
+        ).fetchone()
     if row is None:
         return None
     document = json.loads(row[0]) if isinstance(row[0], str) else row[0]

@@ -1,4 +1,4 @@
-"""The Dagster layer: the resource, the sweeper and worker launcher sensors, the asset checks.
+"""The Dagster layer: the resource, the sweeper, worker launcher and batch sensors, the checks.
 
 Importing this package imports Dagster; :mod:`dagster_leasequeue` itself imports it only
 when one of these names is first used. Every module here imports the Dagster library as
@@ -6,6 +6,11 @@ when one of these names is first used. Every module here imports the Dagster lib
 package.
 """
 
+from dagster_leasequeue.dagster.batches import (
+    batch_id_from_run as batch_id_from_run,
+    batch_metadata as batch_metadata,
+    build_batch_sensor as build_batch_sensor,
+)
 from dagster_leasequeue.dagster.checks import build_queue_asset_checks as build_queue_asset_checks
 from dagster_leasequeue.dagster.keys import queue_asset_key as queue_asset_key
 from dagster_leasequeue.dagster.launcher import (
@@ -19,6 +24,9 @@ from dagster_leasequeue.dagster.sensors import (
 
 __all__ = [
     "LeaseQueueResource",
+    "batch_id_from_run",
+    "batch_metadata",
+    "build_batch_sensor",
     "build_queue_asset_checks",
     "build_sweeper_sensor",
     "build_worker_launcher_sensor",

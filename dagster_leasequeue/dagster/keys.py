@@ -19,6 +19,8 @@ LAUNCHER_TAG = "leasequeue/launcher"
 LAUNCH_TAG = "leasequeue/launch"
 # Set by the sweeper sensor on the runs of its job: the last recovery event reported.
 RECOVERED_THROUGH_EVENT_TAG = "leasequeue/recovered_through_event"
+# Set by the batch sensor on the run it requests for a finished batch: the batch's id.
+BATCH_TAG = "leasequeue/batch"
 
 _ASSET_KEY_PART = re.compile(r"[A-Za-z0-9_]+")
 _REPLACED = re.compile(r"[^A-Za-z0-9_]")

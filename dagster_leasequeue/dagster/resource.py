@@ -15,7 +15,15 @@ from pydantic import Field, PrivateAttr
 
 from ..attempts import Attempt
 from ..lease import Lease
-from ..models import QueueStats, RecoveredTask, RecoveryEvent, TaskInfo
+from ..models import (
+    Batch,
+    BatchInfo,
+    QueueStats,
+    RecoveredTask,
+    RecoveryEvent,
+    TaskInfo,
+    TaskResult,
+)
 from ..queue import LeaseQueue
 from ..settings import LeaseQueueSettings
 from ..version import __version__
@@ -267,6 +275,50 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         with self.get_queue().attempt(key, lease=lease, worker_id=self.worker_id()) as attempt:
             yield attempt
 
+    def enqueue_batch(
+        self,
+        payloads: Iterable[Mapping[str, Any]],
+        *,
+        queue: str | None = None,
+        name: str | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_keys: Iterable[str] | None = None,
+    ) -> Batch:
+        """Add a batch of tasks in one transaction; see :meth:`LeaseQueue.enqueue_batch`.
+
+        Return ``batch_metadata(batch)`` in the asset's materialization so that a batch
+        sensor finds it.
+        """
+        return self.get_queue().enqueue_batch(
+            payloads,
+            queue=queue or self.default_queue(),
+            name=name,
+            priority=priority,
+            max_attempts=max_attempts,
+            idempotency_keys=idempotency_keys,
+        )
+
+    def batch(self, batch_id: int) -> BatchInfo:
+        """A batch's state; see :meth:`LeaseQueue.batch`."""
+        return self.get_queue().batch(batch_id)
+
+    def batch_results(
+        self, batch_id: int, *, statuses: Iterable[str] = ("done",)
+    ) -> Iterator[TaskResult]:
+        """A batch's tasks with their results; see :meth:`LeaseQueue.batch_results`."""
+        return self.get_queue().batch_results(batch_id, statuses=statuses)
+
+    def wait_batch(
+        self, batch_id: int, *, timeout: float | None = None, poll_interval: float = 5.0
+    ) -> BatchInfo:
+        """Wait for a batch to finish; see :meth:`LeaseQueue.wait_batch`."""
+        return self.get_queue().wait_batch(batch_id, timeout=timeout, poll_interval=poll_interval)
+
+    def cancel_batch(self, batch_id: int) -> int:
+        """Cancel a batch's unfinished tasks; see :meth:`LeaseQueue.cancel_batch`."""
+        return self.get_queue().cancel_batch(batch_id)
+
     def sweep(self, *, limit: int | None = None) -> list[RecoveredTask]:
         """Recover expired leases in every queue; see :meth:`LeaseQueue.sweep`."""
         return self.get_queue().sweep(limit=limit)
@@ -287,9 +339,15 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """Cancel a task not yet finished."""
         return self.get_queue().cancel(task_id)
 
-    def retry_dead(self, task_ids: Iterable[int] | None = None, *, queue: str | None = None) -> int:
+    def retry_dead(
+        self,
+        task_ids: Iterable[int] | None = None,
+        *,
+        queue: str | None = None,
+        batch: int | None = None,
+    ) -> int:
         """Enqueue dead tasks again with a fresh budget of attempts."""
-        return self.get_queue().retry_dead(task_ids, queue=queue)
+        return self.get_queue().retry_dead(task_ids, queue=queue, batch=batch)
 
 
 def _op_context() -> dg.OpExecutionContext | None:
