@@ -35,16 +35,6 @@ RESULTS_PAGE = 1000
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 
 
-def check_batch_name(name: str | None) -> str | None:
-    if name is None:
-        return None
-    if not isinstance(name, str) or not name.strip() or len(name) > 400:
-        raise ConfigurationError(
-            f"a batch name must be a non-empty text of up to 400 characters, got {name!r}"
-        )
-    return name
-
-
 def enqueue_batch(
     driver: QueueDriver,
     payloads: Iterable[Mapping[str, Any]],
@@ -150,7 +140,7 @@ def batch_info(driver: QueueDriver, batch_id: int) -> BatchInfo:
     with driver.connection() as conn:
         row = conn.execute(driver.statement(sql.BATCH_INFO), {"batch_id": batch_id}).fetchone()
     if row is None:
-        raise BatchNotFound(f"no batch with id {batch_id} in schema {driver.schema!r}")
+        raise _not_found(driver, batch_id)
     return _info(row)
 
 
@@ -187,9 +177,9 @@ def batch_results(
 ) -> Iterator[TaskResult]:
     """Yield the batch's tasks of these statuses, a status at a time, each in id order."""
     statuses = _checked_statuses(statuses)
-    batch_info(driver, batch_id)  # BatchNotFound before the first next()
     statement = driver.statement(sql.BATCH_RESULTS)
     with driver.connection() as conn, conn.transaction():
+        _require_batch(conn, driver, batch_id)  # BatchNotFound, not an empty iteration
         for status in statuses:
             # A server-side cursor: a million results come a page at a time.
             with conn.cursor(name=f"leasequeue_batch_{batch_id}") as cursor:
@@ -239,11 +229,21 @@ def wait_batch(
 
 def cancel_batch(driver: QueueDriver, batch_id: int, notify_channel: str) -> int:
     """Cancel the batch's unfinished tasks; return how many."""
-    batch_info(driver, batch_id)
     with driver.connection() as conn, conn.transaction():
         conn.execute(sql.COUNTED_IN_BULK)
         row = conn.execute(driver.statement(sql.CANCEL_BATCH), {"batch_id": batch_id}).fetchone()
         cancelled = int(row[0]) if row else 0
         if cancelled:
             conn.execute(sql.NOTIFY, {"channel": notify_channel, "payload": f"batch:{batch_id}"})
+        else:  # nothing to cancel: a finished batch, or none of that id
+            _require_batch(conn, driver, batch_id)
     return cancelled
+
+
+def _require_batch(conn: psycopg.Connection[Any], driver: QueueDriver, batch_id: int) -> None:
+    if conn.execute(driver.statement(sql.BATCH_EXISTS), {"batch_id": batch_id}).fetchone() is None:
+        raise _not_found(driver, batch_id)
+
+
+def _not_found(driver: QueueDriver, batch_id: int) -> BatchNotFound:
+    return BatchNotFound(f"no batch with id {batch_id} in schema {driver.schema!r}")

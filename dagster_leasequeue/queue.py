@@ -45,6 +45,7 @@ from .settings import LeaseQueueSettings
 from .sweeper import sweep_expired
 from .validation import (
     MAX_ATTEMPTS,
+    check_batch_name,
     check_count,
     check_key,
     check_lease_seconds,
@@ -273,7 +274,7 @@ class LeaseQueue:
             self._driver,
             payloads,
             queue=check_queue(queue),
-            name=batch_module.check_batch_name(name),
+            name=check_batch_name(name),
             priority=check_priority(priority),
             max_attempts=self._max_attempts(max_attempts),
             idempotency_keys=idempotency_keys,

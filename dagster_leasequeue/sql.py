@@ -450,6 +450,7 @@ _BATCH_INFO = """
     ) AS c
 """
 BATCH_INFO = _BATCH_INFO + "WHERE b.id = %(batch_id)s"
+BATCH_EXISTS = "SELECT 1 FROM {schema}.batches WHERE id = %(batch_id)s"
 LIST_BATCHES = (
     _BATCH_INFO
     + "WHERE (%(queue)s::text IS NULL OR b.queue = %(queue)s) ORDER BY b.id DESC LIMIT %(limit)s"

@@ -87,6 +87,13 @@ def check_key(key: str | None, name: str = "idempotency_key") -> str | None:
     return key
 
 
+def check_batch_name(name: str | None) -> str | None:
+    """A batch name: as a key (see check_key), and not blank, or None."""
+    if isinstance(name, str) and name and not name.strip():
+        raise ConfigurationError(f"a batch name must not be blank, got {_shown(name)}")
+    return check_key(name, "a batch name")
+
+
 def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
