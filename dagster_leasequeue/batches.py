@@ -230,7 +230,6 @@ def wait_batch(
 def cancel_batch(driver: QueueDriver, batch_id: int, notify_channel: str) -> int:
     """Cancel the batch's unfinished tasks; return how many."""
     with driver.connection() as conn, conn.transaction():
-        conn.execute(sql.COUNTED_IN_BULK)
         row = conn.execute(driver.statement(sql.CANCEL_BATCH), {"batch_id": batch_id}).fetchone()
         cancelled = int(row[0]) if row else 0
         if cancelled:

@@ -43,37 +43,46 @@ _ATTEMPT_IDENTITY = """
 """
 
 
-# A batch's finished tasks are counted in stripes: each ack of a batch task adds one to
-# the stripe of its server process (pg_backend_pid() % BATCH_STRIPES), so workers acking
-# tasks of one batch seldom wait on each other's row lock, as they would on one counter.
-# The trigger keeps the counts whatever path finishes or un-finishes a task (ack, fail,
-# sweep, cancel, retry_dead, an attempt's conclusion). On the last tasks of a batch it
-# also sends a NOTIFY on the schema's channel (sql.notify_channel: 'lq_' + schema), which
-# wakes wait_batch. "The last tasks": a transaction cannot see the increments of others
-# not yet committed, so the one that finishes a batch may not know it; every one that
-# finds at most BATCH_NOTIFY_TAIL left notifies, and wait_batch also polls.
+# A batch's finished tasks are counted in stripes, BATCH_STRIPES rows per batch: each
+# finish adds one to a stripe no other open transaction holds, so workers acking tasks of
+# one batch do not wait on each other's row lock, as they would on one counter (a
+# transaction-scoped advisory lock marks the stripe taken until commit, when the row lock
+# goes too). The trigger keeps the counts whatever path finishes or un-finishes a task
+# (ack, fail, sweep, cancel, retry_dead, an attempt's conclusion).
 #
-# A statement that changes many tasks of one batch at once (cancel_batch, retry_dead) sets
-# leasequeue.counted_in_bulk for its transaction and counts them itself, once per batch:
-# row by row, its updates of one stripe row would pile up versions of that row that the
-# transaction cannot prune, each update slower than the last.
+# It also wakes wait_batch, with a NOTIFY on the schema's channel (sql.notify_channel:
+# 'lq_' + schema), on the last tasks of a batch. "The last": a transaction cannot see the
+# increments of others not yet committed, so the one that finishes a batch may not know
+# it; every finish that finds no task of the batch enqueued and at most BATCH_NOTIFY_TAIL
+# left notifies, and wait_batch also polls. The enqueued probe reads the batch's index
+# from its newest end, where a live entry stays until the very last claims: while it
+# finds one, the stripes are not summed at all.
+#
+# A statement that changes many tasks of a batch at once (ack_many, cancel_batch,
+# retry_dead) counts them itself, once per batch, and says so with BULK_MARKER in its
+# text, which the trigger's WHEN clause reads with current_query(): row by row, its
+# updates of one stripe row would pile up versions of that row that the transaction
+# cannot prune, each update slower than the last. The marker holds for that statement
+# alone, whatever transaction it runs in. (Code from before migration 8 set the
+# leasequeue.counted_in_bulk setting for its transaction instead; the trigger still
+# honours it, for a deploy that runs both.)
 BATCH_STRIPES = 16
 BATCH_NOTIFY_TAIL = 64
+BULK_MARKER = "/* leasequeue: counted in bulk */"
+# The class of the advisory locks on stripes (the two-key form: class, stripe).
+BATCH_STRIPE_LOCK_CLASS = 0x6C71_6273  # "lqbs"
 
-_COUNT_BATCH_TASK = f"""
-    CREATE FUNCTION {{schema}}.count_batch_task() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-    DECLARE
-        v_left bigint;
-    BEGIN
-        UPDATE {{schema}}.batch_counts
+# The trigger function's parts that every version of it shares (text of the released
+# migration 6 unchanged): its stripe's update, without the WHERE clause, and the NOTIFY
+# when at most BATCH_NOTIFY_TAIL tasks are left.
+_STRIPE_UPDATE = """        UPDATE {schema}.batch_counts
         SET done = done + (NEW.status = 'done')::int - (OLD.status = 'done')::int,
             dead = dead + (NEW.status = 'dead')::int - (OLD.status = 'dead')::int,
             cancelled = cancelled + (NEW.status = 'cancelled')::int
                         - (OLD.status = 'cancelled')::int,
             changed_at = clock_timestamp()
-        WHERE batch_id = NEW.batch_id AND stripe = mod(pg_backend_pid(), {BATCH_STRIPES});
-        SELECT b.total - c.finished INTO v_left
+"""
+_NOTIFY_NEAR_THE_END = f"""        SELECT b.total - c.finished INTO v_left
         FROM {{schema}}.batches AS b,
              LATERAL (SELECT sum(done + dead + cancelled) AS finished
                       FROM {{schema}}.batch_counts WHERE batch_id = b.id) AS c
@@ -86,6 +95,83 @@ _COUNT_BATCH_TASK = f"""
     $$
 """
 
+_PROCESS_STRIPE = f"mod(pg_backend_pid(), {BATCH_STRIPES})"  # migration 6's choice
+_COUNT_BATCH_TASK = f"""
+    CREATE FUNCTION {{schema}}.count_batch_task() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        v_left bigint;
+    BEGIN
+{_STRIPE_UPDATE}        WHERE batch_id = NEW.batch_id AND stripe = {_PROCESS_STRIPE};
+{_NOTIFY_NEAR_THE_END}"""
+
+
+# The stripe this transaction counts in: the first free one from the process's own, else
+# (every stripe taken) the process's own, waiting on its row lock.
+_BATCH_STRIPE = f"""
+    CREATE FUNCTION {{schema}}.batch_stripe() RETURNS smallint
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        v_own int := mod(pg_backend_pid(), {BATCH_STRIPES});
+    BEGIN
+        FOR i IN 0..{BATCH_STRIPES - 1} LOOP
+            IF pg_try_advisory_xact_lock({BATCH_STRIPE_LOCK_CLASS},
+                                         mod(v_own + i, {BATCH_STRIPES})) THEN
+                RETURN mod(v_own + i, {BATCH_STRIPES});
+            END IF;
+        END LOOP;
+        RETURN v_own;
+    END
+    $$
+"""
+
+_COUNT_BATCH_TASK_V8 = f"""
+    CREATE OR REPLACE FUNCTION {{schema}}.count_batch_task() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        v_stripe smallint := {{schema}}.batch_stripe();
+        v_left bigint;
+    BEGIN
+{_STRIPE_UPDATE}        WHERE batch_id = NEW.batch_id AND stripe = v_stripe;
+        IF NEW.status NOT IN ('done', 'dead', 'cancelled') THEN
+            RETURN NULL;
+        END IF;
+        PERFORM 1 FROM {{schema}}.tasks
+        WHERE batch_id = NEW.batch_id AND status = 'enqueued'
+        ORDER BY id DESC LIMIT 1;
+        IF FOUND THEN
+            RETURN NULL;
+        END IF;
+{_NOTIFY_NEAR_THE_END}"""
+
+# A batch's running tasks, for batch(). A plain index scan marks the entries of tasks
+# finished since the last vacuum as dead while it passes them, so the next call skips
+# them; a bitmap scan, which the planner picks on a table not yet analyzed, cannot, and
+# every call would visit the heap for each task the batch has finished since.
+_BATCH_PROCESSING = """
+    CREATE FUNCTION {schema}.batch_processing(p_batch_id bigint) RETURNS bigint
+    LANGUAGE sql STABLE
+    SET enable_bitmapscan = off
+    AS $$
+        SELECT count(*) FROM {schema}.tasks
+        WHERE batch_id = p_batch_id AND status = 'processing'
+    $$
+"""
+
+# The WHEN clause is evaluated without calling the function: tasks outside a batch,
+# changes between enqueued and processing, and statements that count in bulk cost
+# nothing here.
+_BATCH_COUNTS_TRIGGER_V8 = f"""
+    CREATE TRIGGER tasks_batch_counts
+        AFTER UPDATE OF status ON {{schema}}.tasks
+        FOR EACH ROW
+        WHEN (NEW.batch_id IS NOT NULL AND OLD.status IS DISTINCT FROM NEW.status
+              AND (OLD.status IN ('done', 'dead', 'cancelled')
+                   OR NEW.status IN ('done', 'dead', 'cancelled'))
+              AND strpos(current_query(), '{BULK_MARKER}') = 0
+              AND current_setting('leasequeue.counted_in_bulk', true) IS DISTINCT FROM 'on')
+        EXECUTE FUNCTION {{schema}}.count_batch_task()
+"""
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -344,6 +430,18 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
         concurrently=True,
+    ),
+    Migration(
+        8,
+        "batch counts: a free stripe per transaction, a cheaper end-of-batch check, bulk"
+        " statements marked in their text, running tasks counted by a plain index scan",
+        (
+            _BATCH_STRIPE,
+            _BATCH_PROCESSING,
+            _COUNT_BATCH_TASK_V8,
+            "DROP TRIGGER tasks_batch_counts ON {schema}.tasks",
+            _BATCH_COUNTS_TRIGGER_V8,
+        ),
     ),
 )
 

@@ -559,6 +559,7 @@ class LeaseQueue:
             "task_ids": [lease.task_id for lease in held],
             "tokens": [lease.token for lease in held],
             "results": encoded,
+            "channel": sql.notify_channel(self.schema),
         }
         with self._driver.statements() as conn:
             acked = {
@@ -651,7 +652,6 @@ class LeaseQueue:
             for _ in range(_ENQUEUE_RETRIES):
                 try:
                     with conn.transaction():
-                        conn.execute(sql.COUNTED_IN_BULK)  # the statement counts for batches
                         retried = conn.execute(
                             self._driver.statement(sql.RETRY_DEAD), params
                         ).fetchall()

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from psycopg import sql
 
-from .migrations import BATCH_STRIPES
+from .migrations import BATCH_NOTIFY_TAIL, BATCH_STRIPES, BULK_MARKER
 
 # First keys of the two-key advisory locks this package takes, one per purpose, so that no
 # name a user picks can make two purposes collide.
@@ -228,15 +228,61 @@ RENEW = """
 """
 
 # Many acks in one statement, each still fenced by its own token.
-ACK_MANY = """
-    UPDATE {schema}.tasks AS t
-    SET status = 'done', result = a.result::jsonb, lease_expires_at = NULL,
-        finished_at = clock_timestamp(), updated_at = clock_timestamp()
-    FROM unnest(%(task_ids)s::bigint[], %(tokens)s::bigint[], %(results)s::text[])
-        AS a(task_id, token, result)
-    WHERE t.id = a.task_id AND t.lease_token = a.token AND t.status = 'processing'
-    RETURNING t.id
+# Batch counting shared by statements that finish many tasks: see migrations.py
+# (migrations 6 and 8) for how a batch's finished tasks are counted.
+
+# The counts of a statement that changed many batch tasks (its CTE ``{changed}`` returns
+# their batch_id), added to a free stripe once per batch. The marker in its text keeps the
+# trigger from counting them again, row by row.
+_COUNT_IN_BULK = (
+    """
+    ), counted AS ( """
+    + BULK_MARKER
+    + """
+        UPDATE {{schema}}.batch_counts AS c
+        SET {column} = c.{column} {sign} n.tasks, changed_at = clock_timestamp()
+        FROM (SELECT batch_id, count(*) AS tasks FROM {changed}
+              WHERE batch_id IS NOT NULL GROUP BY batch_id) AS n
+        WHERE c.batch_id = n.batch_id AND c.stripe = (SELECT {{schema}}.batch_stripe())
+    )"""
+)
+
+# With _COUNT_IN_BULK: a NOTIFY for each batch this statement left with at most
+# BATCH_NOTIFY_TAIL tasks to go, as the trigger sends for a single finish. The statement
+# does not see its own counted CTE, so its tasks are taken off apart. One row, always, for
+# the final SELECT to join (a CTE no one reads is not run).
+_NOTIFY_BATCH_ENDS = (
+    """
+    , batch_ends AS (
+        SELECT count(pg_notify(%(channel)s, 'batch:' || b.id)) AS notified
+        FROM (SELECT batch_id, count(*) AS tasks FROM {changed}
+              WHERE batch_id IS NOT NULL GROUP BY batch_id) AS n
+        JOIN {{schema}}.batches AS b ON b.id = n.batch_id
+        WHERE b.total - n.tasks - (SELECT sum(done + dead + cancelled)
+                                   FROM {{schema}}.batch_counts WHERE batch_id = b.id) <= """
+    + str(BATCH_NOTIFY_TAIL)
+    + """
+    )"""
+)
+
+# Batch tasks among them are counted once per batch (see _COUNT_IN_BULK).
+ACK_MANY = (
+    """
+    WITH acked AS (
+        UPDATE {schema}.tasks AS t
+        SET status = 'done', result = a.result::jsonb, lease_expires_at = NULL,
+            finished_at = clock_timestamp(), updated_at = clock_timestamp()
+        FROM unnest(%(task_ids)s::bigint[], %(tokens)s::bigint[], %(results)s::text[])
+            AS a(task_id, token, result)
+        WHERE t.id = a.task_id AND t.lease_token = a.token AND t.status = 'processing'
+        RETURNING t.id, t.batch_id
 """
+    + _COUNT_IN_BULK.format(column="done", sign="+", changed="acked")
+    + _NOTIFY_BATCH_ENDS.format(changed="acked")
+    + """
+    SELECT acked.id FROM acked CROSS JOIN batch_ends
+"""
+)
 
 # Why a fenced statement changed nothing, for the LeaseLost message.
 LEASE_STATE = "SELECT status, lease_token FROM {schema}.tasks WHERE id = %(task_id)s"
@@ -390,24 +436,6 @@ TASK_EXISTS = "SELECT 1 FROM {schema}.tasks WHERE id = %(task_id)s"
 
 # -- batches ----------------------------------------------------------------------------
 
-# See migrations.py (migration 6) for how a batch's finished tasks are counted.
-COUNTED_IN_BULK = "SELECT set_config('leasequeue.counted_in_bulk', 'on', true)"
-
-# The counts of a statement that changed many batch tasks (its CTE ``{changed}`` returns
-# their batch_id), added to this process's stripe once per batch.
-_COUNT_IN_BULK = (
-    """
-    ), counted AS (
-        UPDATE {{schema}}.batch_counts AS c
-        SET {column} = c.{column} {sign} n.tasks, changed_at = clock_timestamp()
-        FROM (SELECT batch_id, count(*) AS tasks FROM {changed}
-              WHERE batch_id IS NOT NULL GROUP BY batch_id) AS n
-        WHERE c.batch_id = n.batch_id AND c.stripe = mod(pg_backend_pid(), """
-    + str(BATCH_STRIPES)
-    + """)
-    )"""
-)
-
 CREATE_BATCH = """
     INSERT INTO {schema}.batches (name, queue) VALUES (%(name)s, %(queue)s)
     ON CONFLICT (name) WHERE name IS NOT NULL DO NOTHING
@@ -440,8 +468,7 @@ NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
 _BATCH_INFO = """
     SELECT b.id, b.name, b.queue, b.total, b.created_at,
            c.done, c.dead, c.cancelled, c.changed_at,
-           (SELECT count(*) FROM {schema}.tasks AS t
-            WHERE t.batch_id = b.id AND t.status = 'processing') AS processing
+           {schema}.batch_processing(b.id) AS processing
     FROM {schema}.batches AS b
     CROSS JOIN LATERAL (
         SELECT coalesce(sum(done), 0)::bigint AS done, coalesce(sum(dead), 0)::bigint AS dead,

@@ -54,7 +54,7 @@ class BenchConfig:
     batch_enqueue_pairs: int = 2
     # One pair of 20,000-task drains per cell: four one-at-a-time drains already take
     # about two of the section's three minutes on two cores.
-    batch_drain_pairs: int = 1
+    batch_drain_pairs: int = 2
     batch_info_tasks: int = 1_000_000
     batch_info_acked: int = 1000
     batch_info_processing: int = 5

@@ -6,8 +6,9 @@ and ``batch()`` on a batch of a million tasks.
   ``copy.write_row``. Each run in a fresh schema; pairs, every other one reversed (ABBA).
 - **drain**: the drain section's workers on tasks of one batch (``enqueue_batch``) against
   as many plain tasks (``enqueue_many`` in chunks), both then ``VACUUM ANALYZE``d. What
-  differs: every ack of a batch task runs the ``tasks_batch_counts`` trigger, and its
-  claim and ack each add an entry to ``tasks_batch_idx``. ``lq_one`` (claim + ack) is the
+  differs: every ack of a batch task runs the ``tasks_batch_counts`` trigger (``ack_many``
+  counts its batch tasks once per statement instead), and its claim and ack each add an
+  entry to ``tasks_batch_idx``. ``lq_one`` (claim + ack) is the
   target's pair; ``lq_batch`` shows the trigger where the rest of an ack costs least. The
   counters are read back before the schema is dropped.
 - **batch()**: a batch of a million tasks, some acked and a few held processing; many
@@ -144,8 +145,8 @@ def _fillers(config: BenchConfig) -> dict[str, Filler]:
 def read_counters(conn: psycopg.Connection[Any]) -> dict[str, int]:
     """What the stripes counted, and how many stripes the workers' acks landed on.
 
-    A stripe is its backend's pid modulo 16: in about one drain in three, two of four
-    workers share one, and then wait on each other's row lock at every ack.
+    Each transaction counts in a stripe no other open one holds: with four workers, four
+    stripes or more (a worker's next transaction may take another).
     """
     row = conn.execute(COUNTERS).fetchone()
     counted, stripes = (int(row[0]), int(row[1])) if row else (0, 0)

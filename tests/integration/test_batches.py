@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import psycopg
 import pytest
 
 from dagster_leasequeue import (
@@ -20,6 +21,7 @@ from dagster_leasequeue import (
     LeaseQueue,
     PayloadError,
     migrations,
+    sql,
 )
 
 from ..helpers import expire, run_sql
@@ -169,6 +171,73 @@ def test_wait_batch_is_woken_by_the_last_ack(queue: LeaseQueue) -> None:
     assert time.monotonic() - started < 5
 
 
+def test_wait_batch_is_woken_by_ack_many(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch(({"n": n} for n in range(150)), queue="docs")
+    plain = queue.enqueue_many([{"n": n} for n in range(5)], queue="docs")
+    leases = queue.claim_many(200, queue="docs")
+    assert len(leases) == 155
+    threading.Timer(0.5, queue.ack_many, [leases]).start()
+    started = time.monotonic()
+    info = queue.wait_batch(batch.id, timeout=30, poll_interval=30)
+    assert info.finished and info.done == 150
+    assert time.monotonic() - started < 5
+    assert queue.stats("docs").counts["done"] == 150 + len(plain)
+    assert info.counts == statuses_of(queue, batch.id)
+
+
+def test_ack_many_counts_each_batch_once_per_statement(queue: LeaseQueue, dsn: str) -> None:
+    """Row by row, one statement's updates of one stripe row pile up versions of it that
+    the statement cannot prune: each slower than the last."""
+    first = queue.enqueue_batch(({"n": n} for n in range(60)), queue="docs")
+    second = queue.enqueue_batch(({"n": n} for n in range(40)), queue="docs")
+    leases = queue.claim_many(100, queue="docs")
+    with psycopg.connect(dsn) as conn:  # one transaction: its own statistics are exact
+        acked = conn.execute(
+            sql.compose(sql.ACK_MANY, queue.schema),
+            {
+                "task_ids": [lease.task_id for lease in leases],
+                "tokens": [lease.token for lease in leases],
+                "results": [None] * len(leases),
+                "channel": sql.notify_channel(queue.schema),
+            },
+        ).fetchall()
+        (updates,) = conn.execute(
+            "SELECT n_tup_upd FROM pg_stat_xact_user_tables WHERE relid = %s::regclass",
+            (f'"{queue.schema}".batch_counts',),
+        ).fetchone() or (None,)
+    assert len(acked) == 100
+    assert updates == 2
+    for batch, size in ((first, 60), (second, 40)):
+        info = queue.batch(batch.id)
+        assert info.finished and info.done == size
+        assert info.counts == statuses_of(queue, batch.id)
+
+
+def test_open_transactions_finishing_tasks_of_one_batch_do_not_wait_on_each_other(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    """Two processes whose pids share a remainder modulo the stripe count each take a
+    stripe of their own: neither waits for the other's commit."""
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs")
+    leases = queue.claim_many(2, queue="docs")
+    ack = sql.compose(sql.ACK, queue.schema)
+    with contextlib.ExitStack() as stack:
+        by_stripe: dict[int, psycopg.Connection[Any]] = {}
+        while True:  # at most one more connection than there are stripes
+            conn = stack.enter_context(psycopg.connect(dsn))
+            pair = by_stripe.setdefault(conn.info.backend_pid % migrations.BATCH_STRIPES, conn)
+            if pair is not conn:
+                break
+        for holder, lease in zip((pair, conn), leases, strict=True):
+            holder.execute("SET lock_timeout = '3s'")
+            holder.execute(ack, {"task_id": lease.task_id, "token": lease.token, "result": None})
+        pair.commit()
+        conn.commit()
+    info = queue.batch(batch.id)
+    assert info.finished and info.done == 2
+    assert info.counts == statuses_of(queue, batch.id)
+
+
 def test_wait_batch_returns_the_unfinished_state_at_its_timeout(queue: LeaseQueue) -> None:
     batch = queue.enqueue_batch([{"n": 1}], queue="docs")
     started = time.monotonic()
@@ -260,7 +329,7 @@ def test_an_upgrade_builds_the_batch_index_concurrently_and_mends_an_interrupted
         "UPDATE pg_index SET indisvalid = false WHERE indexrelid = "
         "'{schema}.tasks_batch_idx'::regclass",
     )
-    assert queue.install() == 1
+    assert queue.install() == len(migrations.MIGRATIONS) - 6
     (definition,) = run_sql(
         queue,
         "SELECT pg_get_indexdef(i.indexrelid) || ' ' || i.indisvalid FROM pg_index AS i "
