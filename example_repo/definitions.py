@@ -162,7 +162,8 @@ defs = dg.Definitions(
             name="document_report_when_batch_finished",
             upstream=document_batch.key,
             asset_selection=[document_report],
-            minimum_interval_seconds=15,
+            # A batch read per tick is one query on the batch's counters: cheap to ask often.
+            minimum_interval_seconds=5,
         ),
         build_worker_launcher_sensor(
             process_documents, max_concurrent_runs=2, tasks_per_run=3, minimum_interval_seconds=15

@@ -114,3 +114,5 @@ def test_the_demo_command_tells_the_whole_story(tmp_path: Path) -> None:
     assert "killed worker pid" in completed.stdout
     assert "requeued, attempt 1" in completed.stdout
     assert "every document summarised exactly once" in completed.stdout
+    assert "tick skipped: 0 batch(es) finished, 1 still running" in completed.stdout
+    assert "and the report materialized once, after the batch's last task" in completed.stdout
