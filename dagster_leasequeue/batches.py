@@ -18,6 +18,7 @@ import psycopg
 from . import sql
 from .driver import QueueDriver
 from .errors import BatchNotFound, ConfigurationError
+from .flow import ConcurrencyKey, key_of
 from .models import STATUSES, Batch, BatchInfo, TaskResult
 from .notify import Listener
 from .payloads import encode_object
@@ -44,6 +45,7 @@ def enqueue_batch(
     priority: int,
     max_attempts: int,
     idempotency_keys: Iterable[str] | None,
+    concurrency_key: ConcurrencyKey,
     notify: Mapping[str, Any],
 ) -> Batch:
     """Add a batch and its tasks in one transaction; see :meth:`LeaseQueue.enqueue_batch`."""
@@ -62,6 +64,7 @@ def enqueue_batch(
             "priority": priority,
             "max_attempts": max_attempts,
             "batch_id": batch_id,
+            "concurrency_key": concurrency_key,
         }
         max_bytes = driver.settings.payload_max_bytes
         if idempotency_keys is None:
@@ -76,9 +79,13 @@ def enqueue_batch(
     return Batch(batch_id, name, queue, total, created_at)
 
 
-def _encoded(payloads: Iterable[Mapping[str, Any]], max_bytes: int) -> Iterator[str]:
+def _encoded(
+    payloads: Iterable[Mapping[str, Any]], concurrency_key: ConcurrencyKey, max_bytes: int
+) -> Iterator[tuple[str, str | None]]:
+    """Each payload's JSON text and its concurrency key, checked."""
     for index, payload in enumerate(payloads):
-        yield encode_object(payload, what=f"payload #{index}", max_bytes=max_bytes)
+        text = encode_object(payload, what=f"payload #{index}", max_bytes=max_bytes)
+        yield text, key_of(concurrency_key, payload, index)
 
 
 def _copy_tasks(
@@ -89,18 +96,26 @@ def _copy_tasks(
     max_bytes: int,
 ) -> int:
     """Stream the tasks through COPY, a few thousand rows per write: memory stays flat."""
-    # Every column but the payload is the same on every row.
+    # Every column but the payload and the concurrency key is the same on every row.
     before = columns["queue"].translate(_COPY_ESCAPES) + "\t" + str(columns["priority"]) + "\t"
-    after = "\t" + str(columns["max_attempts"]) + "\t" + str(columns["batch_id"]) + "\n"
-    encoded = _encoded(payloads, max_bytes)
+    middle = "\t" + str(columns["max_attempts"]) + "\t" + str(columns["batch_id"]) + "\t"
+    encoded = _encoded(payloads, columns["concurrency_key"], max_bytes)
     total = 0
     with conn.cursor().copy(driver.statement(sql.COPY_BATCH_TASKS)) as copy:
         while chunk := list(islice(encoded, COPY_ROWS_PER_WRITE)):
             copy.write(
-                "".join(before + text.replace("\\", "\\\\") + after for text in chunk).encode()
+                "".join(
+                    before + text.replace("\\", "\\\\") + middle + _copy_text(key) + "\n"
+                    for text, key in chunk
+                ).encode()
             )
             total += len(chunk)
     return total
+
+
+def _copy_text(value: str | None) -> str:
+    """A text column in COPY's text format: escaped, or \\N for NULL."""
+    return "\\N" if value is None else value.translate(_COPY_ESCAPES)
 
 
 def _insert_keyed_tasks(
@@ -113,12 +128,16 @@ def _insert_keyed_tasks(
 ) -> int:
     """Insert the tasks in chunks, skipping keys held by unfinished tasks, as enqueue does."""
     statement = driver.statement(sql.ENQUEUE_BATCH_KEYED)
-    pairs = zip(_encoded(payloads, max_bytes), _checked_keys(keys), strict=True)
+    encoded = _encoded(payloads, columns["concurrency_key"], max_bytes)
+    pairs = zip(encoded, _checked_keys(keys), strict=True)
     total = 0
     try:
         while chunk := list(islice(pairs, KEYED_ROWS_PER_STATEMENT)):
-            texts, chunk_keys = zip(*chunk, strict=True)
-            params = dict(columns) | {"payloads": list(texts), "keys": list(chunk_keys)}
+            params = dict(columns) | {
+                "payloads": [text for (text, _), _ in chunk],
+                "concurrency_keys": [key for (_, key), _ in chunk],
+                "keys": [key for _, key in chunk],
+            }
             total += conn.execute(statement, params).rowcount
     except ValueError as exc:
         if "zip()" not in str(exc):

@@ -580,6 +580,63 @@ def cancel_batch(ctx: click.Context, batch_id: int) -> None:
 
 
 @main.command()
+@click.argument("queue_name", metavar="QUEUE")
+@click.pass_context
+def pause(ctx: click.Context, queue_name: str) -> None:
+    """Stop claims from QUEUE until `leasequeue resume QUEUE`.
+
+    Enqueues still land and expired leases are still swept; tasks already claimed run on.
+    """
+    queue = _open_queue(ctx)
+    queue.pause(queue_name)
+    click.echo(f"paused queue {queue_name!r}; {_flow_summary(queue, queue_name)}")
+
+
+@main.command()
+@click.argument("queue_name", metavar="QUEUE")
+@click.pass_context
+def resume(ctx: click.Context, queue_name: str) -> None:
+    """Let QUEUE's tasks be claimed again; waiting workers look at once."""
+    queue = _open_queue(ctx)
+    queue.resume(queue_name)
+    click.echo(f"resumed queue {queue_name!r}; {_flow_summary(queue, queue_name)}")
+
+
+@main.command()
+@click.argument("queue_name", metavar="QUEUE")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.pass_context
+def flow(ctx: click.Context, queue_name: str, as_json: bool) -> None:
+    """The flow controls in force on QUEUE: pause, concurrency and rate limits, and the
+    keys with limits of their own (with their running tasks)."""
+    controls = _open_queue(ctx).flow(queue_name)
+    if as_json:
+        echo_json(asdict(controls))
+        return
+    rate = (
+        f"{controls.per_second:g}/s (burst {controls.burst:g})"
+        if controls.per_second is not None
+        else "none"
+    )
+    limit = "none" if controls.max_running is None else str(controls.max_running)
+    click.echo(f"queue {queue_name!r}: {'PAUSED' if controls.paused else 'running'}")
+    click.echo(f"  concurrency limit per key: {limit}")
+    click.echo(f"  rate limit: {rate}")
+    for key in controls.keys:
+        own = [f"{key.running} running"]
+        if key.max_running is not None:
+            own.append(f"limit {key.max_running}")
+        if key.per_second is not None:
+            own.append(f"rate {key.per_second:g}/s (burst {key.burst:g})")
+        click.echo(f"  key {key.key!r}: " + ", ".join(own))
+
+
+def _flow_summary(queue: LeaseQueue, queue_name: str) -> str:
+    counts = queue.stats(queue_name, finished=False).counts
+    return f"{counts['enqueued']} enqueued, {counts['processing']} processing"
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the recovered tasks as JSON.")
 @click.pass_context
 def sweep(ctx: click.Context, as_json: bool) -> None:

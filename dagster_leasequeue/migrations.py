@@ -175,6 +175,313 @@ _BATCH_COUNTS_TRIGGER_V8 = f"""
         EXECUTE FUNCTION {{schema}}.count_batch_task()
 """
 
+
+# -- flow control (migrations 9 and 10) -----------------------------------------------------
+#
+# A queue's flow controls live in queue_flow (pause, the default concurrency limit per
+# key, a token bucket) and flow_keys (per key: the tasks running, a limit and a bucket of
+# its own). The plain claim reads queue_flow once, by primary key: a queue without a row
+# there that controls anything is claimed as before. A controlled queue is claimed by
+# claim_flow(), which:
+#
+# - returns nothing while the queue is paused;
+# - takes tokens from the queue's bucket, whose row lock makes its claimers take turns;
+# - counts a key's running tasks from flow_keys.running, kept by a trigger on every path
+#   into and out of 'processing' (claim, ack, fail, release, sweep, cancel), under the
+#   key row's lock: a claimer locks the row (skipping it when another claimer holds it),
+#   reads the latest count, and its claims raise the count before it commits, so no two
+#   claimers both see room for the same slot. An expired lease still counts until the
+#   sweeper recovers its task;
+# - looks at the queue's due tasks in claim order, passing over those of keys without
+#   room; after FLOW_SCAN + 4 per task asked for, it looks up each waiting key's own
+#   first tasks through tasks_key_claim_idx instead, so a key with a long backlog held at
+#   its limit does not hide the tasks of other keys behind it.
+FLOW_SCAN = 64
+
+# A token bucket's level now: refilled at its rate since it was last read, up to its burst.
+_REFILLED = """least(f.burst, coalesce(f.tokens, f.burst) + f.per_second
+                 * extract(epoch FROM clock_timestamp() - coalesce(f.refilled_at,
+                                                                   clock_timestamp()))::float8)"""
+
+_FLOW_TABLES = (
+    """
+    CREATE TABLE {schema}.queue_flow (
+        queue text PRIMARY KEY,
+        paused boolean NOT NULL DEFAULT false,
+        max_running integer CHECK (max_running >= 0),
+        per_second double precision CHECK (per_second > 0),
+        burst double precision CHECK (burst >= 1),
+        tokens double precision,
+        refilled_at timestamptz,
+        key_limits boolean NOT NULL DEFAULT false,
+        changed_at timestamptz NOT NULL DEFAULT clock_timestamp()
+    )
+    """,
+    # Updated by every claim and finish of a keyed task: room on the page keeps them HOT.
+    """
+    CREATE TABLE {schema}.flow_keys (
+        queue text NOT NULL,
+        key text NOT NULL,
+        running integer NOT NULL DEFAULT 0,
+        max_running integer CHECK (max_running >= 0),
+        per_second double precision CHECK (per_second > 0),
+        burst double precision CHECK (burst >= 1),
+        tokens double precision,
+        refilled_at timestamptz,
+        PRIMARY KEY (queue, key)
+    ) WITH (fillfactor = 50)
+    """,
+    "ALTER TABLE {schema}.tasks ADD COLUMN concurrency_key text",
+)
+
+# The room a key has for this claim: none while another claimer holds its row, else its
+# limit (its own, or the queue's default) less its running tasks, and no more than its
+# bucket's whole tokens. The row stays locked until the claim commits.
+_FLOW_KEY_ROOM = f"""
+    CREATE FUNCTION {{schema}}.flow_key_room(p_queue text, p_key text, p_default integer)
+    RETURNS integer
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        v_key {{schema}}.flow_keys;
+        v_limit integer;
+        v_room integer := 2147483647;
+    BEGIN
+        SELECT * INTO v_key FROM {{schema}}.flow_keys AS k
+        WHERE k.queue = p_queue AND k.key = p_key FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            INSERT INTO {{schema}}.flow_keys (queue, key) VALUES (p_queue, p_key)
+            ON CONFLICT DO NOTHING;
+            SELECT * INTO v_key FROM {{schema}}.flow_keys AS k
+            WHERE k.queue = p_queue AND k.key = p_key FOR UPDATE SKIP LOCKED;
+            IF NOT FOUND THEN
+                RETURN 0;
+            END IF;
+        END IF;
+        v_limit := coalesce(v_key.max_running, p_default);
+        IF v_limit IS NOT NULL THEN
+            v_room := greatest(0, v_limit - v_key.running);
+        END IF;
+        IF v_key.per_second IS NOT NULL AND v_room > 0 THEN
+            UPDATE {{schema}}.flow_keys AS f
+            SET tokens = {_REFILLED}, refilled_at = clock_timestamp()
+            WHERE f.queue = p_queue AND f.key = p_key
+            RETURNING f.* INTO v_key;
+            v_room := least(v_room, floor(v_key.tokens)::integer);
+        END IF;
+        RETURN v_room;
+    END
+    $$
+"""
+
+# The lease of one picked task, as the plain claim sets and returns it.
+_LEASE_PICKED = """
+            WITH leased AS (
+                UPDATE {schema}.tasks AS t
+                SET status = 'processing',
+                    attempts = t.attempts + 1,
+                    lease_token = nextval({lease_tokens}::regclass),
+                    lease_expires_at = clock_timestamp()
+                        + make_interval(secs => coalesce(p_lease, t.lease_seconds,
+                                                         p_default_lease)),
+                    worker_id = p_worker,
+                    updated_at = clock_timestamp()
+                WHERE t.id = (SELECT x.id FROM {schema}.tasks AS x
+                              WHERE x.id = v_task.id AND x.status = 'enqueued'
+                              FOR UPDATE SKIP LOCKED)
+                RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts,
+                          t.lease_token, t.lease_expires_at, t.idempotency_key,
+                          coalesce(p_lease, t.lease_seconds, p_default_lease), t.run_at,
+                          NULL::double precision
+            )
+            SELECT * FROM leased"""
+
+# Picks a key's task if the key has room left among this claim's picks.
+_PICK_IF_ROOM = """
+                IF v_task.concurrency_key IS NOT NULL THEN
+                    v_at := array_position(v_keys, v_task.concurrency_key);
+                    IF v_at IS NULL THEN
+                        v_keys := v_keys || v_task.concurrency_key;
+                        v_room := v_room || {schema}.flow_key_room(
+                            p_queue, v_task.concurrency_key, v_flow.max_running);
+                        v_picked := v_picked || 0;
+                        v_at := cardinality(v_keys);
+                    END IF;
+                    CONTINUE WHEN v_picked[v_at] >= v_room[v_at];
+                    v_picked[v_at] := v_picked[v_at] + 1;
+                END IF;
+                v_candidates := v_candidates || v_task.id;"""
+
+_CLAIM_FLOW = (
+    """
+    CREATE FUNCTION {schema}.claim_flow(
+        p_queue text, p_limit integer, p_worker text, p_lease double precision,
+        p_default_lease double precision
+    ) RETURNS TABLE (
+        id bigint, payload jsonb, priority integer, attempts integer, max_attempts integer,
+        lease_token bigint, lease_expires_at timestamptz, idempotency_key text,
+        lease_seconds double precision, run_at timestamptz, next_token_in double precision
+    )
+    LANGUAGE plpgsql AS $$
+    #variable_conflict use_column
+    DECLARE
+        v_flow {schema}.queue_flow;
+        v_want integer := p_limit;
+        v_scan integer := """
+    + str(FLOW_SCAN)
+    + """ + 4 * p_limit;
+        v_seen integer := 0;
+        v_keys text[] := ARRAY[]::text[];
+        v_room integer[] := ARRAY[]::integer[];
+        v_picked integer[] := ARRAY[]::integer[];
+        v_taken text[] := ARRAY[]::text[];
+        v_candidates bigint[] := ARRAY[]::bigint[];
+        v_at integer;
+        v_key text;
+        v_task record;
+    BEGIN
+        SELECT * INTO v_flow FROM {schema}.queue_flow AS f WHERE f.queue = p_queue;
+        IF v_flow.per_second IS NOT NULL THEN
+            UPDATE {schema}.queue_flow AS f
+            SET tokens = """
+    + _REFILLED
+    + """, refilled_at = clock_timestamp()
+            WHERE f.queue = p_queue
+            RETURNING f.* INTO v_flow;
+        END IF;
+        IF v_flow.paused THEN
+            RETURN;
+        END IF;
+        IF v_flow.per_second IS NOT NULL THEN
+            v_want := least(v_want, floor(v_flow.tokens)::integer);
+            IF v_want < 1 THEN
+                next_token_in := (1 - v_flow.tokens) / v_flow.per_second;
+                RETURN NEXT;
+                RETURN;
+            END IF;
+        END IF;
+
+        -- The due tasks in claim order, those of keys without room passed over.
+        FOR v_task IN
+            SELECT t.id, t.concurrency_key FROM {schema}.tasks AS t
+            WHERE t.status = 'enqueued' AND t.queue = p_queue
+              AND t.run_at <= clock_timestamp()
+            ORDER BY t.priority DESC, t.run_at, t.id
+        LOOP
+            v_seen := v_seen + 1;
+            EXIT WHEN v_seen > v_scan OR cardinality(v_candidates) >= v_want;"""
+    + _PICK_IF_ROOM
+    + """
+        END LOOP;
+
+        -- Many tasks passed over: each waiting key's own first tasks, through the key
+        -- index (its keys one probe each), and the first tasks without a key.
+        IF v_seen > v_scan AND cardinality(v_candidates) < v_want THEN
+            FOR v_task IN
+                SELECT t.id, t.concurrency_key FROM {schema}.tasks AS t
+                WHERE t.status = 'enqueued' AND t.queue = p_queue
+                  AND t.concurrency_key IS NULL AND t.run_at <= clock_timestamp()
+                  AND t.id <> ALL (v_candidates)
+                ORDER BY t.priority DESC, t.run_at, t.id
+                LIMIT v_want
+            LOOP"""
+    + _PICK_IF_ROOM
+    + """
+            END LOOP;
+            FOR v_key IN
+                WITH RECURSIVE waiting(key) AS (
+                    SELECT min(t.concurrency_key) FROM {schema}.tasks AS t
+                    WHERE t.queue = p_queue AND t.status = 'enqueued'
+                      AND t.concurrency_key IS NOT NULL
+                    UNION ALL
+                    SELECT (SELECT min(t.concurrency_key) FROM {schema}.tasks AS t
+                            WHERE t.queue = p_queue AND t.status = 'enqueued'
+                              AND t.concurrency_key > w.key)
+                    FROM waiting AS w WHERE w.key IS NOT NULL
+                )
+                SELECT w.key FROM waiting AS w WHERE w.key IS NOT NULL
+            LOOP
+                v_at := array_position(v_keys, v_key);
+                CONTINUE WHEN v_at IS NOT NULL AND v_picked[v_at] >= v_room[v_at];
+                FOR v_task IN
+                    SELECT t.id, t.concurrency_key FROM {schema}.tasks AS t
+                    WHERE t.queue = p_queue AND t.concurrency_key = v_key
+                      AND t.status = 'enqueued' AND t.run_at <= clock_timestamp()
+                      AND t.id <> ALL (v_candidates)
+                    ORDER BY t.priority DESC, t.run_at, t.id
+                    LIMIT v_want
+                LOOP"""
+    + _PICK_IF_ROOM.replace("CONTINUE WHEN", "EXIT WHEN")
+    + """
+                END LOOP;
+            END LOOP;
+        END IF;
+
+        -- Lease the picks in claim order, up to the tasks asked for.
+        FOR v_task IN
+            SELECT t.id, t.concurrency_key FROM {schema}.tasks AS t
+            WHERE t.id = ANY (v_candidates)
+            ORDER BY t.priority DESC, t.run_at, t.id
+        LOOP
+            RETURN QUERY"""
+    + _LEASE_PICKED
+    + """;
+            IF FOUND THEN
+                v_taken := v_taken || coalesce(v_task.concurrency_key, '');
+                EXIT WHEN cardinality(v_taken) >= v_want;
+            END IF;
+        END LOOP;
+
+        -- The tokens the leases took, from the queue's bucket and their keys'.
+        IF v_flow.per_second IS NOT NULL AND cardinality(v_taken) > 0 THEN
+            UPDATE {schema}.queue_flow AS f SET tokens = f.tokens - cardinality(v_taken)
+            WHERE f.queue = p_queue;
+        END IF;
+        UPDATE {schema}.flow_keys AS k SET tokens = k.tokens - n.taken
+        FROM (SELECT u.key, count(*) AS taken FROM unnest(v_taken) AS u(key)
+              WHERE u.key <> '' GROUP BY u.key) AS n
+        WHERE k.queue = p_queue AND k.key = n.key AND k.per_second IS NOT NULL;
+    END
+    $$
+"""
+)
+
+# A keyed task's running count, on every path into and out of 'processing'. A finish that
+# frees a slot of a key at its limit wakes the queue's waiting claimers, as an enqueue does.
+_COUNT_KEY_RUNNING = """
+    CREATE FUNCTION {schema}.count_key_running() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        v_was_full boolean;
+    BEGIN
+        IF NEW.status = 'processing' THEN
+            INSERT INTO {schema}.flow_keys AS k (queue, key, running)
+            VALUES (NEW.queue, NEW.concurrency_key, 1)
+            ON CONFLICT (queue, key) DO UPDATE SET running = k.running + 1;
+        ELSE
+            UPDATE {schema}.flow_keys AS k SET running = k.running - 1
+            WHERE k.queue = NEW.queue AND k.key = NEW.concurrency_key
+            RETURNING k.running + 1 >= coalesce(
+                k.max_running,
+                (SELECT f.max_running FROM {schema}.queue_flow AS f WHERE f.queue = k.queue))
+            INTO v_was_full;
+            IF v_was_full THEN
+                PERFORM pg_notify(left('lq_' || TG_TABLE_SCHEMA, 63), NEW.queue);
+            END IF;
+        END IF;
+        RETURN NULL;
+    END
+    $$
+"""
+
+_KEY_RUNNING_TRIGGER = """
+    CREATE TRIGGER tasks_key_running
+        AFTER UPDATE OF status ON {schema}.tasks
+        FOR EACH ROW
+        WHEN (NEW.concurrency_key IS NOT NULL
+              AND (OLD.status = 'processing') IS DISTINCT FROM (NEW.status = 'processing'))
+        EXECUTE FUNCTION {schema}.count_key_running()
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -444,6 +751,24 @@ MIGRATIONS: tuple[Migration, ...] = (
             "DROP TRIGGER tasks_batch_counts ON {schema}.tasks",
             _BATCH_COUNTS_TRIGGER_V8,
         ),
+    ),
+    Migration(
+        9,
+        "flow control: pausing, concurrency limits per key, token buckets",
+        (*_FLOW_TABLES, _FLOW_KEY_ROOM, _CLAIM_FLOW, _COUNT_KEY_RUNNING, _KEY_RUNNING_TRIGGER),
+    ),
+    Migration(
+        10,
+        "a queue's waiting tasks by concurrency key",
+        (
+            # claim_flow's look-up of each key's first tasks, and of the keys waiting.
+            """
+            CREATE INDEX CONCURRENTLY IF NOT EXISTS tasks_key_claim_idx
+                ON {schema}.tasks (queue, concurrency_key, priority DESC, run_at, id)
+                WHERE status = 'enqueued' AND concurrency_key IS NOT NULL
+            """,
+        ),
+        concurrently=True,
     ),
 )
 

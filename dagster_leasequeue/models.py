@@ -50,10 +50,65 @@ class QueueStats:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATUSES, 0))
     oldest_enqueued_seconds: float | None = None
     due: int = 0
+    flow: QueueFlow | None = None
+    """The controls in force on the queue (for the stats of one queue)."""
+
+    @property
+    def paused(self) -> bool:
+        return self.flow is not None and self.flow.paused
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+@dataclass(frozen=True)
+class KeyFlow:
+    """A concurrency key with limits of its own, and its tasks running now."""
+
+    key: str
+    running: int
+    max_running: int | None = None
+    per_second: float | None = None
+    burst: float | None = None
+
+
+@dataclass(frozen=True)
+class QueueFlow:
+    """The flow controls in force on a queue (see :meth:`LeaseQueue.flow`).
+
+    ``max_running`` is the limit of every concurrency key without one of its own;
+    ``per_second`` and ``burst`` the queue's token bucket; ``keys`` the keys with limits of
+    their own. A task without a concurrency key is held back only by the pause and the
+    queue's rate.
+    """
+
+    queue: str
+    paused: bool = False
+    max_running: int | None = None
+    per_second: float | None = None
+    burst: float | None = None
+    keys: tuple[KeyFlow, ...] = ()
+
+    @property
+    def limited(self) -> bool:
+        """Whether anything holds the queue's claims back."""
+        return (
+            self.paused
+            or self.max_running is not None
+            or self.per_second is not None
+            or bool(self.keys)
+        )
+
+
+@dataclass(frozen=True)
+class KeyAtLimit:
+    """A key at its concurrency limit, and how long its oldest due task has waited."""
+
+    key: str
+    running: int
+    max_running: int
+    waited_seconds: float
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from . import batches as batch_module, schema as schema_module, sql
+from . import batches as batch_module, flow as flow_module, schema as schema_module, sql
 from .attempts import Attempt, AttemptTarget, attempt_target, run_attempt
 from .connection import (
     reset_session,
@@ -25,6 +25,7 @@ from .driver import QueueDriver
 from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TaskNotFound
+from .flow import ConcurrencyKey, key_of
 from .lease import Lease
 from .models import (
     FINISHED,
@@ -33,6 +34,8 @@ from .models import (
     AttemptRecord,
     Batch,
     BatchInfo,
+    KeyAtLimit,
+    QueueFlow,
     QueueStats,
     RecoveredTask,
     RecoveryEvent,
@@ -49,8 +52,10 @@ from .validation import (
     check_count,
     check_key,
     check_lease_seconds,
+    check_limit,
     check_priority,
     check_queue,
+    check_rate,
     check_run_at,
     check_seconds,
     validate_schema_name,
@@ -182,6 +187,7 @@ class LeaseQueue:
         idempotency_key: str | None = None,
         max_attempts: int | None = None,
         lease_seconds: float | None = None,
+        concurrency_key: str | None = None,
     ) -> int:
         """Add a task and return its id.
 
@@ -190,6 +196,9 @@ class LeaseQueue:
         nothing is inserted and that task's id is returned. Once that task is finished
         (done, dead or cancelled) the key is free again and a new task is created: use
         :meth:`attempt` to make the work itself happen once.
+
+        A ``concurrency_key`` (a customer, a tenant, an endpoint) puts the task under the
+        key's concurrency and rate limits: see :meth:`set_concurrency_limit`.
         """
         params = {
             "queue": check_queue(queue),
@@ -202,6 +211,7 @@ class LeaseQueue:
             "lease_seconds": check_lease_seconds(lease_seconds),
             "run_at": check_run_at(run_at, delay),
             "delay": None if delay is None else check_seconds("delay", delay, allow_zero=True),
+            "concurrency_key": check_key(concurrency_key, "concurrency_key"),
         } | self._notify
         with self._driver.statements() as conn:
             for _ in range(_ENQUEUE_RETRIES):
@@ -223,16 +233,19 @@ class LeaseQueue:
         queue: str = "default",
         priority: int = 0,
         max_attempts: int | None = None,
+        concurrency_key: ConcurrencyKey = None,
     ) -> list[int]:
         """Add many tasks in one statement; return their ids in the payloads' order.
 
         Every payload is checked before anything is written: one bad payload stores none.
+        ``concurrency_key`` is one key for every task, or a function of each payload that
+        returns its key (or None).
         """
         limit = self.settings.payload_max_bytes
-        encoded = [
-            encode_object(payload, what=f"payload #{index}", max_bytes=limit)
-            for index, payload in enumerate(payloads)
-        ]
+        encoded, keys = [], []
+        for index, payload in enumerate(payloads):
+            encoded.append(encode_object(payload, what=f"payload #{index}", max_bytes=limit))
+            keys.append(key_of(concurrency_key, payload, index))
         if not encoded:
             return []
         params = {
@@ -240,6 +253,7 @@ class LeaseQueue:
             "priority": check_priority(priority),
             "max_attempts": self._max_attempts(max_attempts),
             "payloads": encoded,
+            "keys": keys,
         } | self._notify
         with self._driver.statements() as conn:
             rows = conn.execute(self._driver.statement(sql.ENQUEUE_MANY), params).fetchall()
@@ -257,6 +271,7 @@ class LeaseQueue:
         priority: int = 0,
         max_attempts: int | None = None,
         idempotency_keys: Iterable[str] | None = None,
+        concurrency_key: ConcurrencyKey = None,
     ) -> Batch:
         """Add a batch of tasks, and the batch, in one transaction: all or none.
 
@@ -269,6 +284,7 @@ class LeaseQueue:
         twice. With ``idempotency_keys`` (one per payload), a key an unfinished task of the
         queue holds is skipped, as :meth:`enqueue` skips it, and the batch counts only the
         tasks it added; the tasks then go in by chunked statements instead of ``COPY``.
+        ``concurrency_key`` works as in :meth:`enqueue_many`.
         """
         return batch_module.enqueue_batch(
             self._driver,
@@ -278,6 +294,7 @@ class LeaseQueue:
             priority=check_priority(priority),
             max_attempts=self._max_attempts(max_attempts),
             idempotency_keys=idempotency_keys,
+            concurrency_key=concurrency_key,
             notify=self._notify,
         )
 
@@ -335,6 +352,77 @@ class LeaseQueue:
         """
         return batch_module.cancel_batch(self._driver, batch_id, sql.notify_channel(self.schema))
 
+    # -- flow control ----------------------------------------------------------------------
+
+    def pause(self, queue: str) -> None:
+        """Stop claims from the queue until :meth:`resume`.
+
+        Enqueues still land, and the sweeper still recovers the queue's expired leases;
+        tasks already claimed run on. Takes effect at the next claim of every worker.
+        """
+        flow_module.set_paused(self._driver, check_queue(queue), True, self._notify)
+
+    def resume(self, queue: str) -> None:
+        """Let the queue's tasks be claimed again; waiting claimers look at once."""
+        flow_module.set_paused(self._driver, check_queue(queue), False, self._notify)
+
+    def set_concurrency_limit(
+        self, queue: str, max_running: int | None, *, key: str | None = None
+    ) -> None:
+        """Let at most ``max_running`` tasks of a concurrency key be processing at once.
+
+        With ``key=None``, the default for every key of the queue; with a key, that key's
+        own limit (over the default). ``None`` removes the limit; 0 holds the key's tasks
+        back. Counted across every worker, process and host, by the claim itself. A task
+        without a concurrency key is not limited. A task whose lease has expired still
+        counts until the sweeper recovers it: its worker may still be running it.
+        """
+        flow_module.set_concurrency_limit(
+            self._driver,
+            check_queue(queue),
+            check_limit(max_running),
+            check_key(key, "key"),
+            self._notify,
+        )
+
+    def set_rate_limit(
+        self,
+        queue: str,
+        *,
+        per_second: float | None,
+        burst: float | None = None,
+        key: str | None = None,
+    ) -> None:
+        """Let claims take at most ``per_second`` tasks a second from the queue (with
+        ``key``, of that concurrency key), counted across every worker.
+
+        A token bucket: it holds up to ``burst`` tokens (default: one second's worth, at
+        least 1), refills at the rate, and starts full. Each claimed task takes a token in
+        the claim's own statement; with none left, ``claim(wait=...)`` waits for the next.
+        ``per_second=None`` removes the limit.
+        """
+        rate, bucket = check_rate(per_second, burst)
+        flow_module.set_rate_limit(
+            self._driver, check_queue(queue), rate, bucket, check_key(key, "key"), self._notify
+        )
+
+    def flow(self, queue: str) -> QueueFlow:
+        """The controls in force on a queue: pause, limits, rates, keys with their own."""
+        with self._driver.connection() as conn:
+            return flow_module.queue_flow(conn, self._driver, check_queue(queue))
+
+    def keys_at_limit(
+        self, queue: str, *, waiting_longer_than: float = 0, limit: int = 100
+    ) -> list[KeyAtLimit]:
+        """Keys of the queue at their concurrency limit whose oldest due task has waited
+        longer than ``waiting_longer_than`` seconds, longest first."""
+        return flow_module.keys_at_limit(
+            self._driver,
+            check_queue(queue),
+            check_seconds("waiting_longer_than", waiting_longer_than, allow_zero=True),
+            check_count("limit", limit),
+        )
+
     # -- consuming -------------------------------------------------------------------------
 
     def claim(
@@ -387,14 +475,20 @@ class LeaseQueue:
             sent = time.monotonic()
             with self._driver.statements() as conn:
                 rows = conn.execute(statement, params).fetchall()
+            # A rate-limited queue without a token answers with a row saying when the
+            # next one is due, and no task.
+            next_token = min((row[10] for row in rows if row[0] is None), default=None)
+            rows = [row for row in rows if row[0] is not None]
             if rows or not wait:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             with self._driver.errors:
-                # Delayed and retried tasks send no notification: look again each second.
-                mark = self._listener.wait(min(remaining, _POLL_SECONDS), mark)
+                # Delayed and retried tasks send no notification: look again each second,
+                # or when the queue's next token is due.
+                pause = min(remaining, _POLL_SECONDS, next_token or _POLL_SECONDS)
+                mark = self._listener.wait(pause, mark)
         if len(rows) > 1:
             # UPDATE ... RETURNING gives no order; restore the claim's (run_at is last).
             rows.sort(key=lambda row: (-row[2], row[9], row[0]))
@@ -500,11 +594,16 @@ class LeaseQueue:
         ages = [
             s.oldest_enqueued_seconds for s in per_queue if s.oldest_enqueued_seconds is not None
         ]
+        flow = None
+        if queue is not None:
+            with self._driver.connection() as conn:
+                flow = flow_module.queue_flow(conn, self._driver, queue)
         return QueueStats(
             queue=queue,
             counts=counts,
             oldest_enqueued_seconds=max(ages, default=None),
             due=sum(s.due for s in per_queue),
+            flow=flow,
         )
 
     def stats_by_queue(self, *, finished: bool = True) -> dict[str, QueueStats]:

@@ -60,7 +60,8 @@ WORKER_GRANTS = (
     "GRANT USAGE ON SCHEMA {schema} TO {role}",
     "GRANT SELECT ON {schema}.schema_version TO {role}",
     "GRANT SELECT, INSERT, UPDATE ON {schema}.tasks, {schema}.attempts,"
-    " {schema}.recovery_events, {schema}.batches, {schema}.batch_counts TO {role}",
+    " {schema}.recovery_events, {schema}.batches, {schema}.batch_counts,"
+    " {schema}.queue_flow, {schema}.flow_keys TO {role}",
     "GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}",
     "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {role}",
 )
@@ -88,9 +89,10 @@ ENQUEUE = (
     """
     WITH inserted AS (
     INSERT INTO {schema}.tasks
-        (queue, priority, payload, idempotency_key, max_attempts, lease_seconds, run_at)
+        (queue, priority, payload, idempotency_key, max_attempts, lease_seconds,
+         concurrency_key, run_at)
     VALUES (%(queue)s, %(priority)s, %(payload)s::jsonb, %(idempotency_key)s,
-            %(max_attempts)s, %(lease_seconds)s, """
+            %(max_attempts)s, %(lease_seconds)s, %(concurrency_key)s, """
     + _RUN_AT
     + """)
     ON CONFLICT (queue, idempotency_key)
@@ -111,9 +113,9 @@ FIND_UNFINISHED_BY_KEY = """
 ENQUEUE_MANY = (
     """
     WITH inserted AS (
-        INSERT INTO {schema}.tasks (queue, priority, payload, max_attempts)
-        SELECT %(queue)s, %(priority)s, p.payload::jsonb, %(max_attempts)s
-        FROM unnest(%(payloads)s::text[]) WITH ORDINALITY AS p(payload, ord)
+        INSERT INTO {schema}.tasks (queue, priority, payload, max_attempts, concurrency_key)
+        SELECT %(queue)s, %(priority)s, p.payload::jsonb, %(max_attempts)s, p.key
+        FROM unnest(%(payloads)s::text[], %(keys)s::text[]) WITH ORDINALITY AS p(payload, key, ord)
         ORDER BY p.ord
         RETURNING id
 """
@@ -121,6 +123,93 @@ ENQUEUE_MANY = (
 )
 
 LISTEN = "LISTEN {channel}"
+
+# -- flow control --------------------------------------------------------------------------
+
+# See migrations.py (migration 9). A queue is controlled while its queue_flow row controls
+# anything; the plain claims read this once, by primary key, and claim only when it is not.
+_CONTROLLED = """EXISTS (
+            SELECT 1 FROM {schema}.queue_flow AS f
+            WHERE f.queue = %(queue)s
+              AND (f.paused OR f.max_running IS NOT NULL OR f.per_second IS NOT NULL
+                   OR f.key_limits))"""
+
+# A controlled queue's claim, in the same statement: run only when the queue is controlled
+# (a one-time filter; the plain part then picks nothing).
+_CLAIM_CONTROLLED = (
+    """
+    SELECT * FROM {schema}.claim_flow(
+        %(queue)s, {limit}, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)
+    WHERE """
+    + _CONTROLLED
+)
+
+ENSURE_QUEUE_FLOW = """
+    INSERT INTO {schema}.queue_flow (queue) VALUES (%(queue)s) ON CONFLICT (queue) DO NOTHING
+"""
+SET_PAUSED = """
+    UPDATE {schema}.queue_flow SET paused = %(paused)s, changed_at = clock_timestamp()
+    WHERE queue = %(queue)s
+"""
+SET_QUEUE_CONCURRENCY = """
+    UPDATE {schema}.queue_flow SET max_running = %(max_running)s, changed_at = clock_timestamp()
+    WHERE queue = %(queue)s
+"""
+# A new or changed bucket starts full.
+SET_QUEUE_RATE = """
+    UPDATE {schema}.queue_flow
+    SET per_second = %(per_second)s, burst = %(burst)s, tokens = %(burst)s,
+        refilled_at = clock_timestamp(), changed_at = clock_timestamp()
+    WHERE queue = %(queue)s
+"""
+SET_KEY_CONCURRENCY = """
+    INSERT INTO {schema}.flow_keys (queue, key, max_running)
+    VALUES (%(queue)s, %(key)s, %(max_running)s)
+    ON CONFLICT (queue, key) DO UPDATE SET max_running = EXCLUDED.max_running
+"""
+SET_KEY_RATE = """
+    INSERT INTO {schema}.flow_keys (queue, key, per_second, burst, tokens, refilled_at)
+    VALUES (%(queue)s, %(key)s, %(per_second)s, %(burst)s, %(burst)s, clock_timestamp())
+    ON CONFLICT (queue, key) DO UPDATE
+    SET per_second = EXCLUDED.per_second, burst = EXCLUDED.burst, tokens = EXCLUDED.tokens,
+        refilled_at = EXCLUDED.refilled_at
+"""
+# Whether any key of the queue has a limit of its own: what makes claims of a queue with
+# no queue-wide control go through claim_flow.
+MARK_KEY_LIMITS = """
+    UPDATE {schema}.queue_flow AS f
+    SET key_limits = EXISTS (
+            SELECT 1 FROM {schema}.flow_keys AS k
+            WHERE k.queue = f.queue AND (k.max_running IS NOT NULL OR k.per_second IS NOT NULL)),
+        changed_at = clock_timestamp()
+    WHERE f.queue = %(queue)s
+"""
+QUEUE_FLOW = """
+    SELECT paused, max_running, per_second, burst FROM {schema}.queue_flow
+    WHERE queue = %(queue)s
+"""
+FLOW_KEYS = """
+    SELECT key, running, max_running, per_second, burst FROM {schema}.flow_keys
+    WHERE queue = %(queue)s AND (max_running IS NOT NULL OR per_second IS NOT NULL)
+    ORDER BY key
+"""
+# Keys at their concurrency limit whose oldest due task has waited longer than the bound.
+KEYS_AT_LIMIT = """
+    SELECT k.key, k.running, coalesce(k.max_running, f.max_running),
+           extract(epoch FROM clock_timestamp() - w.oldest)::float8 AS waited
+    FROM {schema}.flow_keys AS k
+    JOIN {schema}.queue_flow AS f ON f.queue = k.queue
+    CROSS JOIN LATERAL (
+        SELECT min(t.run_at) AS oldest FROM {schema}.tasks AS t
+        WHERE t.queue = k.queue AND t.concurrency_key = k.key AND t.status = 'enqueued'
+          AND t.run_at <= clock_timestamp()
+    ) AS w
+    WHERE k.queue = %(queue)s AND k.running >= coalesce(k.max_running, f.max_running)
+      AND w.oldest < clock_timestamp() - make_interval(secs => %(seconds)s)
+    ORDER BY waited DESC
+    LIMIT %(limit)s
+"""
+
 
 # -- claiming and the lease -------------------------------------------------------------
 
@@ -135,7 +224,9 @@ LISTEN = "LISTEN {channel}"
 # One task: the scalar subquery runs once, as an InitPlan, so it locks one row; the plan
 # is cheaper than a join with a CTE. RETURNING gives what a Lease needs, in the order
 # queue.claim_many reads it.
-CLAIM_ONE = """
+CLAIM_ONE = (
+    """
+    WITH claimed AS (
     UPDATE {schema}.tasks AS t
     SET status = 'processing',
         attempts = t.attempts + 1,
@@ -148,26 +239,38 @@ CLAIM_ONE = """
     WHERE t.id = (
         SELECT id FROM {schema}.tasks
         WHERE status = 'enqueued' AND queue = %(queue)s AND run_at <= clock_timestamp()
+          AND NOT """
+    + _CONTROLLED
+    + """
         ORDER BY priority DESC, run_at, id
         LIMIT {limit}
         FOR UPDATE SKIP LOCKED
     )
     RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
               t.lease_expires_at, t.idempotency_key,
-              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)
-"""
+              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s), t.run_at,
+              NULL::double precision
+    )
+    SELECT * FROM claimed
+    UNION ALL"""
+    + _CLAIM_CONTROLLED
+)
 
 # Many tasks: the rows are locked in a CTE with LIMIT, because "id IN (SELECT ... LIMIT n
 # FOR UPDATE SKIP LOCKED)" may be re-evaluated by the planner and claim more than n rows.
 # run_at comes last: only the order of many rows needs it (UPDATE ... RETURNING has none).
-CLAIM_MANY = """
+CLAIM_MANY = (
+    """
     WITH picked AS (
         SELECT id FROM {schema}.tasks
         WHERE status = 'enqueued' AND queue = %(queue)s AND run_at <= clock_timestamp()
+          AND NOT """
+    + _CONTROLLED
+    + """
         ORDER BY priority DESC, run_at, id
         LIMIT {limit}
         FOR UPDATE SKIP LOCKED
-    )
+    ), claimed AS (
     UPDATE {schema}.tasks AS t
     SET status = 'processing',
         attempts = t.attempts + 1,
@@ -180,8 +283,13 @@ CLAIM_MANY = """
     FROM picked WHERE t.id = picked.id
     RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
               t.lease_expires_at, t.idempotency_key,
-              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s), t.run_at
-"""
+              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s), t.run_at,
+              NULL::double precision
+    )
+    SELECT * FROM claimed
+    UNION ALL"""
+    + _CLAIM_CONTROLLED
+)
 
 # Fencing: every lease operation matches the token of this claim and the status it left,
 # with the same condition (FENCE; tests/unit/test_statements.py checks each has it whole).
@@ -447,14 +555,18 @@ CREATE_BATCH_STRIPES = (
     " SELECT %(batch_id)s, generate_series(0, " + str(BATCH_STRIPES - 1) + ")"
 )
 COPY_BATCH_TASKS = (
-    "COPY {schema}.tasks (queue, priority, payload, max_attempts, batch_id) FROM STDIN"
+    "COPY {schema}.tasks (queue, priority, payload, max_attempts, batch_id, concurrency_key)"
+    " FROM STDIN"
 )
 # With idempotency keys: a key an unfinished task of the queue holds is skipped, as
 # enqueue skips it; the batch counts only the tasks it added.
 ENQUEUE_BATCH_KEYED = """
-    INSERT INTO {schema}.tasks (queue, priority, payload, idempotency_key, max_attempts, batch_id)
-    SELECT %(queue)s, %(priority)s, p.payload::jsonb, p.key, %(max_attempts)s, %(batch_id)s
-    FROM unnest(%(payloads)s::text[], %(keys)s::text[]) WITH ORDINALITY AS p(payload, key, ord)
+    INSERT INTO {schema}.tasks
+        (queue, priority, payload, idempotency_key, max_attempts, batch_id, concurrency_key)
+    SELECT %(queue)s, %(priority)s, p.payload::jsonb, p.key, %(max_attempts)s, %(batch_id)s,
+           p.concurrency_key
+    FROM unnest(%(payloads)s::text[], %(keys)s::text[], %(concurrency_keys)s::text[])
+        WITH ORDINALITY AS p(payload, key, concurrency_key, ord)
     ORDER BY p.ord
     ON CONFLICT (queue, idempotency_key)
         WHERE idempotency_key IS NOT NULL AND status IN ('enqueued', 'processing')

@@ -87,6 +87,48 @@ def check_key(key: str | None, name: str = "idempotency_key") -> str | None:
     return key
 
 
+def check_limit(max_running: int | None) -> int | None:
+    """A concurrency limit: a whole number of tasks, 0 (hold every task back) or more."""
+    if max_running is not None and (
+        not isinstance(max_running, int)
+        or isinstance(max_running, bool)
+        or not 0 <= max_running <= MAX_ROWS
+    ):
+        raise ConfigurationError(
+            f"max_running must be a whole number from 0 to {MAX_ROWS}, or None to remove "
+            f"the limit, got {_shown(max_running)}"
+        )
+    return max_running
+
+
+def check_rate(per_second: float | None, burst: float | None) -> tuple[float | None, float | None]:
+    """A token bucket: a rate above 0 per second and a burst of 1 or more (by default one
+    second's worth, at least 1), or no rate (and no burst) to remove it."""
+    if per_second is None:
+        if burst is not None:
+            raise ConfigurationError("burst needs a rate: give per_second too")
+        return None, None
+    if not _positive_number(per_second):
+        raise ConfigurationError(
+            f"per_second must be a number above 0, or None to remove the limit, "
+            f"got {_shown(per_second)}"
+        )
+    if burst is None:
+        burst = max(1.0, float(per_second))
+    if not _positive_number(burst) or burst < 1:
+        raise ConfigurationError(f"burst must be a number of 1 or more, got {_shown(burst)}")
+    return float(per_second), float(burst)
+
+
+def _positive_number(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def check_batch_name(name: str | None) -> str | None:
     """A batch name: as a key (see check_key), and not blank, or None."""
     if isinstance(name, str) and name and not name.strip():

@@ -14,6 +14,7 @@ from dagster._core.libraries import DagsterLibraryRegistry
 from pydantic import Field, PrivateAttr
 
 from ..attempts import Attempt
+from ..flow import ConcurrencyKey
 from ..lease import Lease
 from ..models import (
     Batch,
@@ -240,6 +241,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         idempotency_key: str | None = None,
         max_attempts: int | None = None,
         lease_seconds: float | None = None,
+        concurrency_key: str | None = None,
     ) -> int:
         """Add a task; see :meth:`LeaseQueue.enqueue`."""
         return self.get_queue().enqueue(
@@ -251,6 +253,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             idempotency_key=idempotency_key,
             max_attempts=max_attempts,
             lease_seconds=lease_seconds,
+            concurrency_key=concurrency_key,
         )
 
     def enqueue_many(
@@ -260,6 +263,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         queue: str | None = None,
         priority: int = 0,
         max_attempts: int | None = None,
+        concurrency_key: ConcurrencyKey = None,
     ) -> list[int]:
         """Add many tasks in one statement; see :meth:`LeaseQueue.enqueue_many`."""
         return self.get_queue().enqueue_many(
@@ -267,6 +271,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             queue=queue or self.default_queue(),
             priority=priority,
             max_attempts=max_attempts,
+            concurrency_key=concurrency_key,
         )
 
     @contextmanager
@@ -284,6 +289,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         priority: int = 0,
         max_attempts: int | None = None,
         idempotency_keys: Iterable[str] | None = None,
+        concurrency_key: ConcurrencyKey = None,
     ) -> Batch:
         """Add a batch of tasks in one transaction; see :meth:`LeaseQueue.enqueue_batch`.
 
@@ -297,6 +303,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             priority=priority,
             max_attempts=max_attempts,
             idempotency_keys=idempotency_keys,
+            concurrency_key=concurrency_key,
         )
 
     def batch(self, batch_id: int) -> BatchInfo:

@@ -321,7 +321,12 @@ def test_an_upgrade_builds_the_batch_index_concurrently_and_mends_an_interrupted
         older_release.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:6])
         older_release.setattr(migrations, "LATEST_VERSION", 6)
         queue.install()
-    queue.enqueue_many([{"n": n} for n in range(10)])
+    # Tasks stored by that release (its statements: this one's need the later columns).
+    run_sql(
+        queue,
+        "INSERT INTO {schema}.tasks (queue, payload, max_attempts)"
+        " SELECT 'default', jsonb_build_object('n', n), 3 FROM generate_series(1, 10) AS n",
+    )
     # An interrupted CREATE INDEX CONCURRENTLY leaves an invalid index of that name.
     run_sql(queue, "CREATE INDEX tasks_batch_idx ON {schema}.tasks (id)")
     run_sql(

@@ -84,6 +84,9 @@ def test_help_lists_every_command() -> None:
         "retry-dead",
         "cancel",
         "cancel-batch",
+        "pause",
+        "resume",
+        "flow",
         "sweep",
         "purge",
         "worker",
@@ -121,6 +124,26 @@ def test_database_errors_are_one_line_and_hide_the_password() -> None:
 
 
 # -- enqueue -------------------------------------------------------------------------------
+
+
+def test_pause_resume_and_flow(cli: Invoke, queue: LeaseQueue) -> None:
+    queue.enqueue_many([{"n": 1}, {"n": 2}], queue="api")
+    queue.set_concurrency_limit("api", 2, key="acme")
+    queue.set_rate_limit("api", per_second=5)
+    result = cli("pause", "api")
+    assert result.exit_code == 0
+    assert result.stdout == "paused queue 'api'; 2 enqueued, 0 processing\n"
+    assert queue.claim(queue="api") is None
+    result = cli("flow", "api")
+    assert result.stdout.splitlines() == [
+        "queue 'api': PAUSED",
+        "  concurrency limit per key: none",
+        "  rate limit: 5/s (burst 5)",
+        "  key 'acme': 0 running, limit 2",
+    ]
+    assert cli("resume", "api").stdout == "resumed queue 'api'; 2 enqueued, 0 processing\n"
+    assert json.loads(cli("flow", "api", "--json").stdout)["paused"] is False
+    assert queue.claim(queue="api") is not None
 
 
 def test_enqueue_from_an_argument_with_options(cli: Invoke, queue: LeaseQueue) -> None:

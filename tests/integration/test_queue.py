@@ -319,7 +319,12 @@ def test_a_database_at_an_older_version_is_migrated(
         older_release.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:1])
         older_release.setattr(migrations, "LATEST_VERSION", 1)
         assert queue.install() == 1
-        task_id = queue.enqueue({"kept": True})
+    # A task stored by that release (its statement: this one's names later columns).
+    ((task_id,),) = run_sql(
+        queue,
+        "INSERT INTO {schema}.tasks (queue, payload, max_attempts)"
+        " VALUES ('default', '{\"kept\": true}', 3) RETURNING id",
+    )
     assert queue.installed_version() == 1
     with pytest.raises(SchemaNotInstalled, match="is at version 1"):
         queue.check_installed()

@@ -1,0 +1,308 @@
+"""Flow control in the claim: concurrency limits per key, rate limits, pausing a queue."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from dagster_leasequeue import ConfigurationError, LeaseQueue
+
+from ..helpers import expire, run_sql
+
+# Shortened by default; the full scenarios: LEASEQUEUE_TEST_RATE_SECONDS=30 and
+# LEASEQUEUE_TEST_LIMIT_TASKS=5000.
+RATE_SECONDS = float(os.environ.get("LEASEQUEUE_TEST_RATE_SECONDS", "6"))
+LIMIT_TASKS = int(os.environ.get("LEASEQUEUE_TEST_LIMIT_TASKS", "600"))
+
+
+def running_per_key(queue: LeaseQueue, name: str) -> Counter[str]:
+    return Counter(
+        dict(
+            run_sql(
+                queue,
+                "SELECT concurrency_key, count(*) FROM {schema}.tasks"
+                " WHERE queue = %(queue)s AND status = 'processing' GROUP BY 1",
+                {"queue": name},
+            )
+        )
+    )
+
+
+def drain(queue: LeaseQueue, name: str, claimers: int, work: Any = None) -> None:
+    """Claim and ack with many threads until the queue has nothing left to claim."""
+
+    def claimer() -> None:
+        while True:
+            lease = queue.claim(queue=name, wait=0.5)
+            if lease is None:
+                if queue.stats(name, finished=False).counts["enqueued"] == 0:
+                    return
+                continue
+            if work is not None:
+                work(lease)
+            lease.ack()
+
+    threads = [threading.Thread(target=claimer) for _ in range(claimers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+
+
+@pytest.mark.slow
+def test_a_concurrency_limit_holds_under_16_claimers(make_queue: Any) -> None:
+    queue = make_queue(pool_size=20)
+    queue.install()
+    keys = ("customer-1", "customer-2", "customer-3")
+    queue.enqueue_many(
+        ({"n": n} for n in range(LIMIT_TASKS)),
+        queue="api",
+        concurrency_key=lambda p: keys[p["n"] % 3],
+    )
+    queue.set_concurrency_limit("api", 2)
+    highest: Counter[str] = Counter()
+    samples = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal samples
+        while not stop.is_set():
+            for key, count in running_per_key(queue, "api").items():
+                highest[key] = max(highest[key], count)
+            samples += 1
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        drain(queue, "api", 16, work=lambda lease: time.sleep(0.001))
+    finally:
+        stop.set()
+        sampler.join()
+    assert queue.stats("api").counts["done"] == LIMIT_TASKS
+    assert samples > 50
+    assert set(highest) == set(keys)
+    assert max(highest.values()) == 2, highest
+    # The running counts came back to zero with the last ack.
+    assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
+
+
+def test_a_key_at_its_limit_does_not_hold_back_the_tasks_behind_it(queue: LeaseQueue) -> None:
+    # 300 tasks of one key first: more than a claim looks at in claim order.
+    queue.enqueue_many([{"key": "big"}] * 300, queue="api", concurrency_key="big")
+    small = queue.enqueue_many([{"key": "small"}] * 3, queue="api", concurrency_key="small")
+    keyless = queue.enqueue_many([{"key": None}] * 2, queue="api")
+    queue.set_concurrency_limit("api", 1, key="big")
+    first = queue.claim(queue="api")
+    assert first is not None and first.payload == {"key": "big"}
+    leases = queue.claim_many(10, queue="api")
+    assert [lease.task_id for lease in leases] == small + keyless
+    assert queue.claim(queue="api") is None
+    first.ack()
+    again = queue.claim(queue="api")
+    assert again is not None and again.payload == {"key": "big"}
+
+
+def test_priority_and_order_hold_among_the_tasks_that_may_run(queue: LeaseQueue) -> None:
+    queue.set_concurrency_limit("api", 1)
+    low = queue.enqueue({"n": 1}, queue="api", concurrency_key="a")
+    high = queue.enqueue({"n": 2}, queue="api", concurrency_key="a", priority=5)
+    other = queue.enqueue({"n": 3}, queue="api", concurrency_key="b")
+    leases = queue.claim_many(5, queue="api")
+    assert [lease.task_id for lease in leases] == [high, other]
+    leases[0].ack()
+    lease = queue.claim(queue="api")
+    assert lease is not None and lease.task_id == low
+
+
+def test_a_limit_of_a_key_of_its_own_overrides_the_default_and_can_be_removed(
+    queue: LeaseQueue,
+) -> None:
+    queue.enqueue_many([{"n": n} for n in range(6)], queue="api", concurrency_key="vip")
+    queue.set_concurrency_limit("api", 1)
+    queue.set_concurrency_limit("api", 3, key="vip")
+    assert len(queue.claim_many(10, queue="api")) == 3
+    flow = queue.flow("api")
+    assert (flow.max_running, [(k.key, k.running, k.max_running) for k in flow.keys]) == (
+        1,
+        [("vip", 3, 3)],
+    )
+    queue.set_concurrency_limit("api", None, key="vip")
+    queue.set_concurrency_limit("api", None)
+    assert not queue.flow("api").limited
+    assert len(queue.claim_many(10, queue="api")) == 3
+
+
+def test_a_paused_queue_is_not_claimed_but_takes_enqueues_and_sweeps(queue: LeaseQueue) -> None:
+    queue.enqueue_many([{"n": n} for n in range(3)], queue="api")
+    held = queue.claim(queue="api")
+    assert held is not None
+    queue.pause("api")
+    assert queue.claim(queue="api") is None
+    assert queue.stats("api").paused
+    queue.enqueue({"n": 3}, queue="api")
+    expire(queue, held.task_id)
+    assert [task.task_id for task in queue.sweep()] == [held.task_id]
+    assert queue.stats("api").counts["enqueued"] == 4
+    assert queue.claim(queue="other") is None  # other queues are not paused
+    # A claimer waiting on the paused queue is woken by the resume.
+    threading.Timer(0.3, queue.resume, ["api"]).start()
+    started = time.monotonic()
+    lease = queue.claim(queue="api", wait=10)
+    assert lease is not None and time.monotonic() - started < 0.9
+    assert not queue.stats("api").paused
+
+
+def test_pause_and_resume_under_load(make_queue: Any) -> None:
+    queue = make_queue(pool_size=8)
+    queue.install()
+    queue.enqueue_many([{"n": n} for n in range(600)], queue="api")
+    done_while_paused: list[int] = []
+
+    def work(lease: Any) -> None:
+        time.sleep(0.002)
+
+    drainer = threading.Thread(target=drain, args=(queue, "api", 4, work))
+    drainer.start()
+    while queue.stats("api").counts["done"] < 100:
+        time.sleep(0.01)
+    queue.pause("api")
+    time.sleep(0.2)  # the claims already sent finish; nothing more is claimed
+    settled = queue.stats("api").counts
+    for _ in range(5):
+        time.sleep(0.1)
+        counts = queue.stats("api").counts
+        done_while_paused.append(counts["done"] - settled["done"])
+        assert counts["processing"] == 0
+    assert done_while_paused == [0] * 5
+    assert 0 < settled["enqueued"] < 500
+    queue.resume("api")
+    drainer.join(timeout=120)
+    assert queue.stats("api").counts["done"] == 600
+
+
+@pytest.mark.slow
+def test_a_rate_limit_holds_across_8_claimers_and_its_burst_after_idle(make_queue: Any) -> None:
+    queue = make_queue(pool_size=10)
+    queue.install()
+    rate, burst = 20.0, 5.0
+    queue.enqueue_many([{"n": n} for n in range(int(rate * RATE_SECONDS * 2) + 100)], queue="api")
+    queue.set_rate_limit("api", per_second=rate, burst=burst)
+    claimed: list[float] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + RATE_SECONDS
+
+    def claimer() -> None:
+        while time.monotonic() < deadline:
+            leases = queue.claim_many(3, queue="api", wait=deadline - time.monotonic())
+            with lock:
+                claimed.extend(time.monotonic() for _ in leases)
+            queue.ack_many(leases)
+
+    threads = [threading.Thread(target=claimer) for _ in range(8)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.monotonic() - started
+    assert len(claimed) <= rate * seconds + burst
+    in_window = sum(1 for at in claimed if at <= deadline)
+    assert in_window >= 0.95 * rate * RATE_SECONDS, (in_window, rate * RATE_SECONDS)
+    # Idle, the bucket fills to its burst, and no further.
+    time.sleep(burst / rate + 0.3)
+    assert len(queue.claim_many(20, queue="api")) == burst
+
+
+_HOLD_AND_DIE = """
+import os, signal, sys
+from dagster_leasequeue import LeaseQueue
+with LeaseQueue(sys.argv[1], schema=sys.argv[2]) as queue:
+    lease = queue.claim(queue="api", lease_seconds=60)
+    assert lease is not None
+    print(lease.task_id, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_workers_slot_comes_back_when_its_lease_is_swept(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    first, second = queue.enqueue_many([{"n": 1}, {"n": 2}], queue="api", concurrency_key="k")
+    queue.set_concurrency_limit("api", 1)
+    worker = subprocess.run(
+        [sys.executable, "-c", _HOLD_AND_DIE, dsn, queue.schema],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert worker.returncode == -signal.SIGKILL
+    assert int(worker.stdout) == first
+    # The dead worker's lease still counts until the sweeper recovers its task.
+    assert queue.claim(queue="api") is None
+    expire(queue, first)
+    assert [task.task_id for task in queue.sweep()] == [first]
+    lease = queue.claim(queue="api")
+    assert lease is not None  # the slot is back: one of the two, and not both
+    assert queue.claim(queue="api") is None
+    lease.ack()
+    last = queue.claim(queue="api")
+    assert last is not None and {lease.task_id, last.task_id} == {first, second}
+
+
+def test_bad_limits_and_keys_are_refused_and_change_nothing(queue: LeaseQueue) -> None:
+    with pytest.raises(ConfigurationError, match="max_running must be a whole number"):
+        queue.set_concurrency_limit("api", -1)
+    with pytest.raises(ConfigurationError, match="per_second must be a number above 0"):
+        queue.set_rate_limit("api", per_second=0)
+    with pytest.raises(ConfigurationError, match="burst needs a rate"):
+        queue.set_rate_limit("api", per_second=None, burst=3)
+    with pytest.raises(ConfigurationError, match="burst must be a number of 1 or more"):
+        queue.set_rate_limit("api", per_second=2, burst=0.5)
+    with pytest.raises(ConfigurationError, match="concurrency_key"):
+        queue.enqueue({"n": 1}, queue="api", concurrency_key="a\x00b")
+    with pytest.raises(ConfigurationError, match="concurrency key of payload #1"):
+        queue.enqueue_many(
+            [{"n": 1}, {"n": 2}], queue="api", concurrency_key=lambda p: "a" if p["n"] == 1 else 2
+        )
+    assert not queue.flow("api").limited
+    assert queue.stats("api").total == 0
+
+
+def test_batch_tasks_carry_their_concurrency_keys(queue: LeaseQueue) -> None:
+    queue.set_concurrency_limit("api", 1)
+    batch = queue.enqueue_batch(
+        ({"tenant": t} for t in ("a", "a", "b", "c\tt")),
+        queue="api",
+        concurrency_key=lambda p: p["tenant"],
+    )
+    keyed = queue.enqueue_batch(
+        [{"n": 1}, {"n": 2}], queue="api", idempotency_keys=["x", "y"], concurrency_key="a"
+    )
+    assert (batch.total, keyed.total) == (4, 2)
+    leases = queue.claim_many(10, queue="api")
+    assert sorted(lease.payload.get("tenant", "") for lease in leases) == ["a", "b", "c\tt"]
+    rows = run_sql(
+        queue, "SELECT concurrency_key, count(*) FROM {schema}.tasks GROUP BY 1 ORDER BY 1"
+    )
+    assert rows == [("a", 4), ("b", 1), ("c\tt", 1)]
+
+
+def test_the_resource_passes_the_concurrency_key_through(dsn: str, schema_name: str) -> None:
+    from dagster_leasequeue import LeaseQueueResource
+
+    resource = LeaseQueueResource(dsn=dsn, schema_name=schema_name, queue="api")
+    queue = resource.get_queue()
+    queue.install()
+    resource.enqueue({"n": 1}, concurrency_key="a")
+    resource.enqueue_many([{"n": 2}], concurrency_key=lambda p: "b")
+    resource.enqueue_batch([{"n": 3}], concurrency_key="c")
+    rows = run_sql(queue, "SELECT concurrency_key FROM {schema}.tasks ORDER BY id")
+    assert rows == [("a",), ("b",), ("c",)]
