@@ -273,29 +273,7 @@ _FLOW_KEY_ROOM = f"""
     $$
 """
 
-# The lease of one picked task, as the plain claim sets and returns it.
-_LEASE_PICKED = """
-            WITH leased AS (
-                UPDATE {schema}.tasks AS t
-                SET status = 'processing',
-                    attempts = t.attempts + 1,
-                    lease_token = nextval({lease_tokens}::regclass),
-                    lease_expires_at = clock_timestamp()
-                        + make_interval(secs => coalesce(p_lease, t.lease_seconds,
-                                                         p_default_lease)),
-                    worker_id = p_worker,
-                    updated_at = clock_timestamp()
-                WHERE t.id = (SELECT x.id FROM {schema}.tasks AS x
-                              WHERE x.id = v_task.id AND x.status = 'enqueued'
-                              FOR UPDATE SKIP LOCKED)
-                RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts,
-                          t.lease_token, t.lease_expires_at, t.idempotency_key,
-                          coalesce(p_lease, t.lease_seconds, p_default_lease), t.run_at,
-                          NULL::double precision
-            )
-            SELECT * FROM leased"""
-
-# Picks a key's task if the key has room left among this claim's picks.
+# Picks the task ``v_task`` if its key has room left among this claim's picks.
 _PICK_IF_ROOM = """
                 IF v_task.concurrency_key IS NOT NULL THEN
                     v_at := array_position(v_keys, v_task.concurrency_key);
@@ -329,14 +307,16 @@ _CLAIM_FLOW = (
         v_scan integer := """
     + str(FLOW_SCAN)
     + """ + 4 * p_limit;
-        v_seen integer := 0;
+        v_ids bigint[];
+        v_scan_keys text[];
+        v_new text[];
         v_keys text[] := ARRAY[]::text[];
         v_room integer[] := ARRAY[]::integer[];
-        v_picked integer[] := ARRAY[]::integer[];
-        v_taken text[] := ARRAY[]::text[];
+        v_picked integer[];
         v_candidates bigint[] := ARRAY[]::bigint[];
         v_at integer;
         v_key text;
+        v_tokens double precision;
         v_task record;
     BEGIN
         SELECT * INTO v_flow FROM {schema}.queue_flow AS f WHERE f.queue = p_queue;
@@ -360,22 +340,79 @@ _CLAIM_FLOW = (
             END IF;
         END IF;
 
-        -- The due tasks in claim order, those of keys without room passed over.
-        FOR v_task IN
-            SELECT t.id, t.concurrency_key FROM {schema}.tasks AS t
-            WHERE t.status = 'enqueued' AND t.queue = p_queue
-              AND t.run_at <= clock_timestamp()
-            ORDER BY t.priority DESC, t.run_at, t.id
-        LOOP
-            v_seen := v_seen + 1;
-            EXIT WHEN v_seen > v_scan OR cardinality(v_candidates) >= v_want;"""
-    + _PICK_IF_ROOM
-    + """
-        END LOOP;
+        -- The first due tasks in claim order, one past the scan's length.
+        SELECT coalesce(array_agg(d.id ORDER BY d.priority DESC, d.run_at, d.id),
+                        ARRAY[]::bigint[]),
+               coalesce(array_agg(d.concurrency_key ORDER BY d.priority DESC, d.run_at, d.id),
+                        ARRAY[]::text[])
+        INTO v_ids, v_scan_keys
+        FROM (SELECT t.id, t.concurrency_key, t.priority, t.run_at FROM {schema}.tasks AS t
+              WHERE t.status = 'enqueued' AND t.queue = p_queue
+                AND t.run_at <= clock_timestamp()
+              ORDER BY t.priority DESC, t.run_at, t.id
+              LIMIT v_scan + 1) AS d;
+
+        -- Their keys' room, each key's row locked until commit, all at once; a key
+        -- another claimer holds has none.
+        v_new := ARRAY(SELECT DISTINCT k FROM unnest(v_scan_keys) AS k WHERE k IS NOT NULL);
+        IF cardinality(v_new) > 0 THEN
+            -- A key's row is made by its first claim (a probe first: a conflict costs more).
+            INSERT INTO {schema}.flow_keys (queue, key)
+            SELECT p_queue, k FROM unnest(v_new) AS k
+            WHERE NOT EXISTS (SELECT 1 FROM {schema}.flow_keys AS e
+                              WHERE e.queue = p_queue AND e.key = k)
+            ON CONFLICT DO NOTHING;
+            SELECT coalesce(array_agg(l.key), ARRAY[]::text[]),
+                   coalesce(array_agg(l.room), ARRAY[]::integer[])
+            INTO v_keys, v_room
+            FROM (SELECT k.key,
+                         CASE WHEN coalesce(k.max_running, v_flow.max_running) IS NULL
+                              THEN 2147483647
+                              ELSE greatest(0, coalesce(k.max_running, v_flow.max_running)
+                                               - k.running) END AS room
+                  FROM {schema}.flow_keys AS k
+                  WHERE k.queue = p_queue AND k.key = ANY (v_new)
+                  FOR UPDATE SKIP LOCKED) AS l;
+            FOR v_key, v_tokens IN
+                UPDATE {schema}.flow_keys AS f
+                SET tokens = """
+    + _REFILLED
+    + """, refilled_at = clock_timestamp()
+                WHERE f.queue = p_queue AND f.key = ANY (v_keys) AND f.per_second IS NOT NULL
+                RETURNING f.key, f.tokens
+            LOOP
+                v_at := array_position(v_keys, v_key);
+                v_room[v_at] := least(v_room[v_at], floor(v_tokens)::integer);
+            END LOOP;
+            v_new := ARRAY(SELECT unnest(v_new) EXCEPT SELECT unnest(v_keys));
+            v_keys := v_keys || v_new;
+            v_room := v_room || array_fill(0, ARRAY[cardinality(v_new)]);
+        END IF;
+        -- The scanned tasks in claim order, those of keys without room passed over.
+        SELECT coalesce(array_agg(p.id ORDER BY p.n), ARRAY[]::bigint[])
+        INTO v_candidates
+        FROM (SELECT r.id, r.n
+              FROM (SELECT u.id, u.n, u.concurrency_key,
+                           row_number() OVER (PARTITION BY u.concurrency_key ORDER BY u.n)
+                               AS nth
+                    FROM unnest(v_ids, v_scan_keys) WITH ORDINALITY
+                        AS u(id, concurrency_key, n)
+                    WHERE u.n <= v_scan) AS r
+              LEFT JOIN unnest(v_keys, v_room) AS k(key, room) ON k.key = r.concurrency_key
+              WHERE r.concurrency_key IS NULL OR r.nth <= k.room
+              ORDER BY r.n
+              LIMIT v_want) AS p;
+        -- How many each key has picked, for the look-up below.
+        v_picked := ARRAY(
+            SELECT count(u.id)::integer
+            FROM unnest(v_keys) WITH ORDINALITY AS k(key, n)
+            LEFT JOIN unnest(v_ids, v_scan_keys) AS u(id, concurrency_key)
+                ON u.concurrency_key = k.key AND u.id = ANY (v_candidates)
+            GROUP BY k.n ORDER BY k.n);
 
         -- Many tasks passed over: each waiting key's own first tasks, through the key
         -- index (its keys one probe each), and the first tasks without a key.
-        IF v_seen > v_scan AND cardinality(v_candidates) < v_want THEN
+        IF cardinality(v_ids) > v_scan AND cardinality(v_candidates) < v_want THEN
             FOR v_task IN
                 SELECT t.id, t.concurrency_key FROM {schema}.tasks AS t
                 WHERE t.status = 'enqueued' AND t.queue = p_queue
@@ -416,30 +453,49 @@ _CLAIM_FLOW = (
             END LOOP;
         END IF;
 
-        -- Lease the picks in claim order, up to the tasks asked for.
-        FOR v_task IN
-            SELECT t.id, t.concurrency_key FROM {schema}.tasks AS t
-            WHERE t.id = ANY (v_candidates)
-            ORDER BY t.priority DESC, t.run_at, t.id
-        LOOP
-            RETURN QUERY"""
-    + _LEASE_PICKED
-    + """;
-            IF FOUND THEN
-                v_taken := v_taken || coalesce(v_task.concurrency_key, '');
-                EXIT WHEN cardinality(v_taken) >= v_want;
-            END IF;
-        END LOOP;
-
-        -- The tokens the leases took, from the queue's bucket and their keys'.
-        IF v_flow.per_second IS NOT NULL AND cardinality(v_taken) > 0 THEN
-            UPDATE {schema}.queue_flow AS f SET tokens = f.tokens - cardinality(v_taken)
-            WHERE f.queue = p_queue;
-        END IF;
-        UPDATE {schema}.flow_keys AS k SET tokens = k.tokens - n.taken
-        FROM (SELECT u.key, count(*) AS taken FROM unnest(v_taken) AS u(key)
-              WHERE u.key <> '' GROUP BY u.key) AS n
-        WHERE k.queue = p_queue AND k.key = n.key AND k.per_second IS NOT NULL;
+        -- Lease the picks in claim order, up to the tasks asked for, in one statement that
+        -- also counts them against their keys (whose rows this claim holds) and takes
+        -- their tokens; the key trigger, told so, leaves them be.
+        PERFORM set_config('leasequeue.keys_counted', 'on', true);
+        RETURN QUERY
+        WITH locked AS (
+            SELECT x.id FROM {schema}.tasks AS x
+            WHERE x.id = ANY (v_candidates) AND x.status = 'enqueued'
+            ORDER BY x.priority DESC, x.run_at, x.id
+            LIMIT v_want
+            FOR UPDATE SKIP LOCKED
+        ), leased AS (
+            UPDATE {schema}.tasks AS t
+            SET status = 'processing',
+                attempts = t.attempts + 1,
+                lease_token = nextval({lease_tokens}::regclass),
+                lease_expires_at = clock_timestamp()
+                    + make_interval(secs => coalesce(p_lease, t.lease_seconds,
+                                                     p_default_lease)),
+                worker_id = p_worker,
+                updated_at = clock_timestamp()
+            FROM locked WHERE t.id = locked.id
+            RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts,
+                      t.lease_token, t.lease_expires_at, t.idempotency_key,
+                      coalesce(p_lease, t.lease_seconds, p_default_lease) AS lease_seconds,
+                      t.run_at, t.concurrency_key
+        ), counted AS (
+            UPDATE {schema}.flow_keys AS k
+            SET running = k.running + n.tasks,
+                tokens = CASE WHEN k.per_second IS NULL THEN k.tokens
+                              ELSE k.tokens - n.tasks END
+            FROM (SELECT l.concurrency_key, count(*) AS tasks FROM leased AS l
+                  WHERE l.concurrency_key IS NOT NULL GROUP BY l.concurrency_key) AS n
+            WHERE k.queue = p_queue AND k.key = n.concurrency_key
+        ), charged AS (
+            UPDATE {schema}.queue_flow AS f SET tokens = f.tokens - (SELECT count(*) FROM leased)
+            WHERE f.queue = p_queue AND f.per_second IS NOT NULL
+        )
+        SELECT l.id, l.payload, l.priority, l.attempts, l.max_attempts, l.lease_token,
+               l.lease_expires_at, l.idempotency_key, l.lease_seconds, l.run_at,
+               NULL::double precision
+        FROM leased AS l;
+        PERFORM set_config('leasequeue.keys_counted', 'off', true);
     END
     $$
 """
@@ -478,7 +534,8 @@ _KEY_RUNNING_TRIGGER = """
         AFTER UPDATE OF status ON {schema}.tasks
         FOR EACH ROW
         WHEN (NEW.concurrency_key IS NOT NULL
-              AND (OLD.status = 'processing') IS DISTINCT FROM (NEW.status = 'processing'))
+              AND (OLD.status = 'processing') IS DISTINCT FROM (NEW.status = 'processing')
+              AND current_setting('leasequeue.keys_counted', true) IS DISTINCT FROM 'on')
         EXECUTE FUNCTION {schema}.count_key_running()
 """
 

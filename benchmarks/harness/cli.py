@@ -21,6 +21,7 @@ from benchmarks.sections import (
     batches,
     drain,
     enqueue,
+    flow,
     latency,
     memory,
     plans,
@@ -56,6 +57,7 @@ RUNNERS: dict[str, Section] = {
     ),
     "sweep": Section(sweep.run, lambda r: sweep.render(r.sweep or [])),
     "batches": Section(batches.run, lambda r: batches.render(r.batches) if r.batches else ""),
+    "flow": Section(flow.run, lambda r: flow.render(r.flow) if r.flow else ""),
 }
 
 

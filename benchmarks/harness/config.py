@@ -19,6 +19,7 @@ SECTIONS = (
     "memory",
     "sweep",
     "batches",
+    "flow",
 )
 
 
@@ -55,6 +56,7 @@ class BenchConfig:
     # Two pairs of 20,000-task drains per cell, in ABBA order (a single pair moves by more
     # than the target's ten percent): the section takes about 3.5 minutes on two cores.
     batch_drain_pairs: int = 2
+    flow_drain_pairs: int = 1
     batch_info_tasks: int = 1_000_000
     batch_info_acked: int = 1000
     batch_info_processing: int = 5

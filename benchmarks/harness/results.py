@@ -11,6 +11,7 @@ from benchmarks.harness.stats import Summary
 from benchmarks.sections.batches import BatchesResult
 from benchmarks.sections.drain import SweeperResult, throughputs
 from benchmarks.sections.enqueue import EnqueueResult
+from benchmarks.sections.flow import FlowResult
 from benchmarks.sections.latency import LatencyResult
 from benchmarks.sections.memory import MemoryResult
 from benchmarks.sections.plans import PlanCheck
@@ -50,6 +51,7 @@ class Results:
     memory: MemoryResult | None = None
     sweep: list[SweepResult] | None = None
     batches: BatchesResult | None = None
+    flow: FlowResult | None = None
     targets: list[Target] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 

@@ -26,6 +26,7 @@ def evaluate(results: Results) -> list[Target]:
         _sweeper_target(results),
         _memory_target(results),
         *_batch_targets(results),
+        *_flow_targets(results),
     ]
 
 
@@ -133,6 +134,35 @@ def _batch_targets(results: Results) -> list[Target]:
     value = slowest.calls.p50_ms if slowest else None
     targets.append(_check("batch() on a large batch", measured, value, "< 1 ms", lambda v: v < 1.0))
     return targets
+
+
+def _flow_targets(results: Results) -> list[Target]:
+    """A queue without limits claims as before; a limit keeps most of the batched drain."""
+    flow = results.flow
+    few = [d.result for d in flow.drains if d.case == "few_limited"] if flow else []
+    return [
+        _check(
+            "claim without limits",
+            "previous claim p50 / current claim p50, one connection",
+            flow.claim.ratio if flow and flow.claim else None,
+            ">= 0.95",
+            lambda v: v >= 0.95,
+        ),
+        _check(
+            "limited batched drain",
+            "1,000 keys: 5 running per key / no limit, tasks/s",
+            flow.limited_ratio if flow else None,
+            ">= 0.7",
+            lambda v: v >= 0.7,
+        ),
+        _check(
+            "few keys stay correct",
+            "3 keys at 2: runs with every task done once",
+            float(sum(r.verified for r in few)) if few else None,
+            f"= {len(few)}",
+            lambda v: few != [] and v == len(few),
+        ),
+    ]
 
 
 def render(targets: list[Target]) -> str:
