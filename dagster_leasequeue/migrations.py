@@ -69,6 +69,8 @@ _ATTEMPT_IDENTITY = """
 BATCH_STRIPES = 16
 BATCH_NOTIFY_TAIL = 64
 BULK_MARKER = "/* leasequeue: counted in bulk */"
+# The same for the running tasks of concurrency keys (see migration 9).
+KEYS_MARKER = "/* leasequeue: keys counted in bulk */"
 # The class of the advisory locks on stripes (the two-key form: class, stripe).
 BATCH_STRIPE_LOCK_CLASS = 0x6C71_6273  # "lqbs"
 
@@ -357,10 +359,13 @@ _CLAIM_FLOW = (
         v_new := ARRAY(SELECT DISTINCT k FROM unnest(v_scan_keys) AS k WHERE k IS NOT NULL);
         IF cardinality(v_new) > 0 THEN
             -- A key's row is made by its first claim (a probe first: a conflict costs more).
+            -- In key order, as every statement that writes many keys' rows: two that
+            -- share keys then never hold one each while waiting for the other's.
             INSERT INTO {schema}.flow_keys (queue, key)
             SELECT p_queue, k FROM unnest(v_new) AS k
             WHERE NOT EXISTS (SELECT 1 FROM {schema}.flow_keys AS e
                               WHERE e.queue = p_queue AND e.key = k)
+            ORDER BY k
             ON CONFLICT DO NOTHING;
             SELECT coalesce(array_agg(l.key), ARRAY[]::text[]),
                    coalesce(array_agg(l.room), ARRAY[]::integer[])
@@ -529,15 +534,20 @@ _COUNT_KEY_RUNNING = """
     $$
 """
 
-_KEY_RUNNING_TRIGGER = """
+_KEY_RUNNING_TRIGGER = (
+    """
     CREATE TRIGGER tasks_key_running
         AFTER UPDATE OF status ON {schema}.tasks
         FOR EACH ROW
         WHEN (NEW.concurrency_key IS NOT NULL
               AND (OLD.status = 'processing') IS DISTINCT FROM (NEW.status = 'processing')
-              AND current_setting('leasequeue.keys_counted', true) IS DISTINCT FROM 'on')
+              AND current_setting('leasequeue.keys_counted', true) IS DISTINCT FROM 'on'
+              AND strpos(current_query(), '"""
+    + KEYS_MARKER
+    + """') = 0)
         EXECUTE FUNCTION {schema}.count_key_running()
 """
+)
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from psycopg import sql
 
-from .migrations import BATCH_NOTIFY_TAIL, BATCH_STRIPES, BULK_MARKER
+from .migrations import BATCH_NOTIFY_TAIL, BATCH_STRIPES, BULK_MARKER, KEYS_MARKER
 
 # First keys of the two-key advisory locks this package takes, one per purpose, so that no
 # name a user picks can make two purposes collide.
@@ -134,6 +134,45 @@ _CONTROLLED = """EXISTS (
               AND (f.paused OR f.max_running IS NOT NULL OR f.per_second IS NOT NULL
                    OR f.key_limits))"""
 
+# The running tasks of concurrency keys changed by a statement over many tasks (its CTE
+# ``{changed}`` returns their queue and concurrency_key), counted once per key, with the
+# marker that keeps the trigger from counting them again. The keys' rows are written in
+# key order, as claim_flow writes them: two statements sharing keys, each holding one row
+# while waiting for the other's, would deadlock. ``{tasks}`` is what each key's count
+# changes by (the insert, for a key not seen before, only on a claim).
+_COUNT_KEYS_IN_BULK = (
+    """
+    , keys_touched AS ( """
+    + KEYS_MARKER
+    + """
+        SELECT c.queue, c.concurrency_key AS key, count(*)::integer AS tasks
+        FROM {changed} AS c WHERE c.concurrency_key IS NOT NULL
+        GROUP BY c.queue, c.concurrency_key
+    ), keys_counted AS (
+        INSERT INTO {{schema}}.flow_keys AS k (queue, key, running)
+        SELECT n.queue, n.key, {tasks} FROM keys_touched AS n ORDER BY n.queue, n.key
+        ON CONFLICT (queue, key) DO UPDATE SET running = k.running + EXCLUDED.running
+        RETURNING k.queue, k.key, k.running, k.max_running
+    )"""
+)
+
+# With _COUNT_KEYS_IN_BULK on finishes: the hint that wakes a queue's waiting claimers,
+# for each key that was at its limit. One row, always, for the final SELECT to join.
+_NOTIFY_KEYS_FREED = """
+    , keys_freed AS (
+        SELECT count(pg_notify(%(channel)s, c.queue)) AS notified
+        FROM keys_counted AS c JOIN keys_touched AS n ON n.queue = c.queue AND n.key = c.key
+        WHERE c.running + n.tasks >= coalesce(
+            c.max_running,
+            (SELECT f.max_running FROM {schema}.queue_flow AS f WHERE f.queue = c.queue))
+    )"""
+
+# What both claims return of the tasks they leased (the columns claim_flow answers in).
+_CLAIMED = """
+    SELECT id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
+           idempotency_key, lease_seconds, run_at, next_token_in
+    FROM claimed"""
+
 # A controlled queue's claim, in the same statement: run only when the queue is controlled
 # (a one-time filter; the plain part then picks nothing).
 _CLAIM_CONTROLLED = (
@@ -248,10 +287,11 @@ CLAIM_ONE = (
     )
     RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
               t.lease_expires_at, t.idempotency_key,
-              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s), t.run_at,
-              NULL::double precision
-    )
-    SELECT * FROM claimed
+              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s) AS lease_seconds,
+              t.run_at, NULL::double precision AS next_token_in, t.queue, t.concurrency_key
+    )"""
+    + _CLAIMED
+    + """
     UNION ALL"""
     + _CLAIM_CONTROLLED
 )
@@ -283,10 +323,12 @@ CLAIM_MANY = (
     FROM picked WHERE t.id = picked.id
     RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
               t.lease_expires_at, t.idempotency_key,
-              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s), t.run_at,
-              NULL::double precision
-    )
-    SELECT * FROM claimed
+              coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s) AS lease_seconds,
+              t.run_at, NULL::double precision AS next_token_in, t.queue, t.concurrency_key
+    )"""
+    + _COUNT_KEYS_IN_BULK.format(changed="claimed", tasks="n.tasks")
+    + _CLAIMED
+    + """
     UNION ALL"""
     + _CLAIM_CONTROLLED
 )
@@ -383,12 +425,14 @@ ACK_MANY = (
         FROM unnest(%(task_ids)s::bigint[], %(tokens)s::bigint[], %(results)s::text[])
             AS a(task_id, token, result)
         WHERE t.id = a.task_id AND t.lease_token = a.token AND t.status = 'processing'
-        RETURNING t.id, t.batch_id
+        RETURNING t.id, t.batch_id, t.queue, t.concurrency_key
 """
     + _COUNT_IN_BULK.format(column="done", sign="+", changed="acked")
     + _NOTIFY_BATCH_ENDS.format(changed="acked")
+    + _COUNT_KEYS_IN_BULK.format(changed="acked", tasks="-n.tasks")
+    + _NOTIFY_KEYS_FREED
     + """
-    SELECT acked.id FROM acked CROSS JOIN batch_ends
+    SELECT acked.id FROM acked CROSS JOIN batch_ends CROSS JOIN keys_freed
 """
 )
 

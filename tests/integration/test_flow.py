@@ -11,9 +11,10 @@ import time
 from collections import Counter
 from typing import Any
 
+import psycopg
 import pytest
 
-from dagster_leasequeue import ConfigurationError, LeaseQueue
+from dagster_leasequeue import ConfigurationError, LeaseQueue, sql
 
 from ..helpers import expire, run_sql
 
@@ -306,3 +307,42 @@ def test_the_resource_passes_the_concurrency_key_through(dsn: str, schema_name: 
     resource.enqueue_batch([{"n": 3}], concurrency_key="c")
     rows = run_sql(queue, "SELECT concurrency_key FROM {schema}.tasks ORDER BY id")
     assert rows == [("a",), ("b",), ("c",)]
+
+
+def test_statements_finishing_tasks_of_shared_keys_never_deadlock(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    """An open transaction holds key a's count and then takes key b's, while ack_many
+    acks tasks of b and a: counted row by row, the two would each hold one key's row
+    while waiting for the other's, and PostgreSQL would abort one."""
+    # Key b's tasks first: a statement over many rows changes them in id order.
+    b1, b2, a1, a2 = queue.enqueue_many(
+        [{"k": "b"}, {"k": "b"}, {"k": "a"}, {"k": "a"}],
+        queue="api",
+        concurrency_key=lambda p: p["k"],
+    )
+    leases = {lease.task_id: lease for lease in queue.claim_many(4, queue="api")}
+    ack = sql.compose(sql.ACK, queue.schema)
+
+    def params(task_id: int) -> dict[str, Any]:
+        return {"task_id": task_id, "token": leases[task_id].token, "result": None}
+
+    errors: list[BaseException] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute(ack, params(a1))  # holds key a's row until it commits
+
+        def ack_many() -> None:
+            try:
+                queue.ack_many([leases[b1], leases[a2]])
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        acking = threading.Thread(target=ack_many)
+        acking.start()
+        time.sleep(0.5)  # ack_many now waits for key a's row
+        holder.execute(ack, params(b2))  # and this for key b's, if ack_many held it
+        holder.commit()
+        acking.join(timeout=30)
+    assert errors == []
+    assert queue.stats("api").counts["done"] == 4
+    assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]

@@ -51,8 +51,10 @@ def test_the_two_claims_pick_set_and_return_alike() -> None:
 
 
 def _leased(claim: str) -> str:
-    """The claim's UPDATE statement, without the part a controlled queue's claim adds."""
-    return claim[: claim.index("SELECT * FROM claimed")].rstrip().removesuffix(")")
+    """The claim up to the end of its lease's RETURNING list (what follows counts keys, or
+    is claim_flow's part for a controlled queue)."""
+    flat = _flat(claim)
+    return flat[: flat.index("t.concurrency_key") + len("t.concurrency_key")]
 
 
 def _returned(statement: str) -> list[str]:
@@ -80,9 +82,11 @@ def test_the_columns_the_hot_paths_read_by_position() -> None:
         "t.lease_token",
         "t.lease_expires_at",
         "t.idempotency_key",
-        "coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s)",
+        "coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s) AS lease_seconds",
         "t.run_at",
-        "NULL::double precision",  # a controlled queue's wait for its next token
+        "NULL::double precision AS next_token_in",  # a controlled queue's next token
+        "t.queue",
+        "t.concurrency_key",
     ]
     assert _returned(sql.FAIL) == ["status", "run_at"]
     assert _returned(sql.RENEW) == ["lease_expires_at"]
