@@ -105,6 +105,25 @@ def queue_flow(conn: psycopg.Connection[Any], driver: QueueDriver, queue: str) -
     return QueueFlow(queue, bool(paused), max_running, per_second, burst, keys)
 
 
+def controlled_queues(driver: QueueDriver) -> dict[str, QueueFlow]:
+    """See :meth:`LeaseQueue.flows`."""
+    with driver.connection() as conn:
+        keys: dict[str, list[KeyFlow]] = {}
+        for queue, key, running, max_running, per_second, burst in conn.execute(
+            driver.statement(sql.ALL_FLOW_KEYS)
+        ):
+            keys.setdefault(queue, []).append(
+                KeyFlow(key, int(running), max_running, per_second, burst)
+            )
+        rows = conn.execute(driver.statement(sql.CONTROLLED_QUEUES)).fetchall()
+    return {
+        queue: QueueFlow(
+            queue, bool(paused), max_running, per_second, burst, tuple(keys.get(queue, ()))
+        )
+        for queue, paused, max_running, per_second, burst in rows
+    }
+
+
 def keys_at_limit(
     driver: QueueDriver, queue: str, waiting_longer_than: float, limit: int
 ) -> list[KeyAtLimit]:

@@ -411,6 +411,10 @@ class LeaseQueue:
         with self._driver.connection() as conn:
             return flow_module.queue_flow(conn, self._driver, check_queue(queue))
 
+    def flows(self) -> dict[str, QueueFlow]:
+        """The controls of every queue that has any in force, by queue name."""
+        return flow_module.controlled_queues(self._driver)
+
     def keys_at_limit(
         self, queue: str, *, waiting_longer_than: float = 0, limit: int = 100
     ) -> list[KeyAtLimit]:

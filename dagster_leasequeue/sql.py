@@ -232,6 +232,18 @@ FLOW_KEYS = """
     WHERE queue = %(queue)s AND (max_running IS NOT NULL OR per_second IS NOT NULL)
     ORDER BY key
 """
+# Every queue with a control in force, and the keys with limits of their own.
+CONTROLLED_QUEUES = """
+    SELECT f.queue, f.paused, f.max_running, f.per_second, f.burst FROM {schema}.queue_flow AS f
+    WHERE f.paused OR f.max_running IS NOT NULL OR f.per_second IS NOT NULL OR f.key_limits
+    ORDER BY f.queue
+"""
+ALL_FLOW_KEYS = """
+    SELECT queue, key, running, max_running, per_second, burst FROM {schema}.flow_keys
+    WHERE max_running IS NOT NULL OR per_second IS NOT NULL
+    ORDER BY queue, key
+"""
+
 # Keys at their concurrency limit whose oldest due task has waited longer than the bound.
 KEYS_AT_LIMIT = """
     SELECT k.key, k.running, coalesce(k.max_running, f.max_running),

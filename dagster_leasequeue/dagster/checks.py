@@ -16,6 +16,7 @@ from .resource import LeaseQueueResource
 NO_STUCK_LEASES = "no_stuck_leases"
 DEAD_TASKS_WITHIN_LIMIT = "dead_tasks_within_limit"
 OLDEST_WAITING_WITHIN_LIMIT = "oldest_waiting_within_limit"
+NO_KEY_HELD_AT_LIMIT = "no_key_held_at_limit"
 
 # How many offending task ids a check result names; the counts cover every task.
 WORST_OFFENDERS = 10
@@ -35,6 +36,7 @@ def build_queue_asset_checks(
     stuck_after_seconds: float = 600,
     max_dead: int = 0,
     max_oldest_waiting_seconds: float = 3600,
+    key_at_limit_after_seconds: float | None = None,
     severity: dg.AssetCheckSeverity = dg.AssetCheckSeverity.WARN,
 ) -> list[dg.AssetChecksDefinition]:
     """Asset checks on each queue asset, for operators: is the queue healthy?
@@ -49,6 +51,9 @@ def build_queue_asset_checks(
       used up). Retry them with ``retry_dead`` once the cause is fixed.
     - ``oldest_waiting_within_limit``: no due task has waited longer than
       ``max_oldest_waiting_seconds``. A long wait means too few workers.
+    - ``no_key_held_at_limit``, with ``key_at_limit_after_seconds``: no concurrency key is
+      at its limit while its oldest due task has waited longer than that. Such a key's
+      tasks run slower than they come in: raise its limit, or find what holds its tasks.
 
     Each queue's checks are one op, named after its asset key (``leasequeue_documents_checks``);
     queues whose names differ only in characters an asset key replaces (``a-b``, ``a_b``)
@@ -68,6 +73,8 @@ def build_queue_asset_checks(
         stuck_after_seconds: How long past its lease a processing task may stay unswept.
         max_dead: The most dead tasks a healthy queue may hold.
         max_oldest_waiting_seconds: The longest a due task may wait to be claimed.
+        key_at_limit_after_seconds: How long a key's due task may wait while the key is at
+            its concurrency limit; None (the default) leaves that check out.
         severity: The severity of a failed check.
 
     Example:
@@ -96,8 +103,16 @@ def build_queue_asset_checks(
         raise dg.DagsterInvalidDefinitionError("max_dead must be 0 or more")
     if max_oldest_waiting_seconds < 0:
         raise dg.DagsterInvalidDefinitionError("max_oldest_waiting_seconds must be 0 or more")
+    if key_at_limit_after_seconds is not None and key_at_limit_after_seconds < 0:
+        raise dg.DagsterInvalidDefinitionError(
+            "key_at_limit_after_seconds must be 0 or more, or None"
+        )
     thresholds = _Thresholds(
-        float(stuck_after_seconds), int(max_dead), float(max_oldest_waiting_seconds), severity
+        float(stuck_after_seconds),
+        int(max_dead),
+        float(max_oldest_waiting_seconds),
+        severity,
+        None if key_at_limit_after_seconds is None else float(key_at_limit_after_seconds),
     )
     prefix = tuple(asset_key_prefix)
     return [
@@ -112,6 +127,7 @@ class _Thresholds:
     max_dead: int
     max_oldest_waiting_seconds: float
     severity: dg.AssetCheckSeverity
+    key_at_limit_after_seconds: float | None = None
 
 
 def _queue_checks(
@@ -144,6 +160,18 @@ def _queue_checks(
             metadata={"max_oldest_waiting_seconds": limits.max_oldest_waiting_seconds},
         ),
     ]
+    if limits.key_at_limit_after_seconds is not None:
+        specs.append(
+            dg.AssetCheckSpec(
+                NO_KEY_HELD_AT_LIMIT,
+                asset=asset_key,
+                description=(
+                    f"No concurrency key of queue {queue!r} at its limit while its oldest "
+                    f"due task has waited longer than {limits.key_at_limit_after_seconds:g} s."
+                ),
+                metadata={"key_at_limit_after_seconds": limits.key_at_limit_after_seconds},
+            )
+        )
 
     # The queue's key part has only letters, digits and underscores: distinct keys under one
     # prefix give distinct op names.
@@ -160,6 +188,8 @@ def _queue_checks(
         selected = {key.name for key in context.selected_asset_check_keys}
         if NO_STUCK_LEASES in selected:
             yield _no_stuck_leases(lease_queue, queue, asset_key, limits)
+        if NO_KEY_HELD_AT_LIMIT in selected:
+            yield _keys_at_limit(lease_queue, queue, asset_key, limits)
         if selected & {DEAD_TASKS_WITHIN_LIMIT, OLDEST_WAITING_WITHIN_LIMIT}:
             stats = lease_queue.stats(queue, finished=False)
             if DEAD_TASKS_WITHIN_LIMIT in selected:
@@ -305,6 +335,37 @@ def _oldest_waiting(
             + ("" if passed else ": are enough workers running?")
         ),
         metadata=metadata,
+    )
+
+
+def _keys_at_limit(
+    queue: LeaseQueue, name: str, asset_key: dg.AssetKey, limits: _Thresholds
+) -> dg.AssetCheckResult:
+    after = limits.key_at_limit_after_seconds or 0.0
+    held = queue.keys_at_limit(name, waiting_longer_than=after, limit=WORST_OFFENDERS)
+    return dg.AssetCheckResult(
+        asset_key=asset_key,
+        check_name=NO_KEY_HELD_AT_LIMIT,
+        passed=not held,
+        severity=limits.severity,
+        description=(
+            f"no key held at its limit longer than {after:g} s"
+            if not held
+            else f"{len(held)} key(s) at their limit with tasks waiting longer than {after:g} s"
+        ),
+        metadata={
+            "key_at_limit_after_seconds": after,
+            "keys_held": dg.MetadataValue.json(
+                {
+                    key.key: {
+                        "running": key.running,
+                        "max_running": key.max_running,
+                        "waited_seconds": round(key.waited_seconds, 1),
+                    }
+                    for key in held
+                }
+            ),
+        },
     )
 
 

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 import dagster as dg
 from dagster._time import get_current_timestamp
@@ -116,7 +117,11 @@ def build_sweeper_sensor(
         after, reported = _read_cursor(context.cursor)
         recorded = _read_recorded(context.cursor)
         events = queue.recovery_events(after, limit=events_per_tick)
-        live = queue.stats_by_queue(finished=False)
+        flows = queue.flows()
+        live = {
+            name: replace(stats, flow=flows.get(name))
+            for name, stats in queue.stats_by_queue(finished=False).items()
+        }
         # A queue whose last live task finished is reported once more, with zeros, so its
         # asset does not keep showing the old counts.
         emptied = {
@@ -128,7 +133,9 @@ def build_sweeper_sensor(
         observations = [_recovery_observation(event, prefix) for event in events]
         for queue_name, stats in per_queue.items():
             counts = _counted(stats)
-            if _to_record(counts, recorded.get(queue_name), now, counts_every):
+            last = recorded.get(queue_name)
+            paused_changed = last is not None and counts.get("paused") != last[1].get("paused")
+            if paused_changed or _to_record(counts, last, now, counts_every):
                 observations.append(_counts_observation(stats, prefix))
                 recorded[queue_name] = (now, counts)
         # Zeros recorded long enough ago are as good as nothing recorded: forget them.
@@ -184,8 +191,10 @@ def _shared_keys(queues: set[str], prefix: Sequence[str]) -> str | None:
 
 
 def _counted(stats: QueueStats) -> dict[str, int]:
-    """The counts compared with those last recorded: the live statuses and ``due``."""
-    return {status: stats.counts.get(status, 0) for status in LIVE} | {"due": stats.due}
+    """The counts compared with those last recorded: the live statuses and ``due``, and
+    whether the queue is paused (when it is)."""
+    counted = {status: stats.counts.get(status, 0) for status in LIVE} | {"due": stats.due}
+    return counted | ({"paused": 1} if stats.paused else {})
 
 
 def _to_record(
@@ -303,6 +312,25 @@ def _counts_observation(stats: QueueStats, prefix: Sequence[str]) -> dg.AssetObs
     metadata["oldest_enqueued_seconds"] = (
         round(stats.oldest_enqueued_seconds, 3) if stats.oldest_enqueued_seconds else 0.0
     )
+    flow = stats.flow
+    if flow is not None:  # the controls in force, where the queue has any
+        metadata["paused"] = flow.paused
+        if flow.max_running is not None:
+            metadata["max_running_per_key"] = flow.max_running
+        if flow.per_second is not None:
+            metadata["per_second"] = flow.per_second
+            metadata["burst"] = flow.burst
+        if flow.keys:
+            metadata["key_limits"] = dg.MetadataValue.json(
+                {
+                    key.key: {
+                        "running": key.running,
+                        "max_running": key.max_running,
+                        "per_second": key.per_second,
+                    }
+                    for key in flow.keys[:50]
+                }
+            )
     return dg.AssetObservation(
         asset_key=queue_asset_key(stats.queue or "", prefix), metadata=metadata
     )

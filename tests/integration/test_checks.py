@@ -190,3 +190,31 @@ def test_stuck_leases_are_found_across_pages(
 def test_bad_thresholds_are_refused() -> None:
     with pytest.raises(dg.DagsterInvalidDefinitionError, match="max_dead"):
         build_queue_asset_checks(["documents"], max_dead=-1)
+
+
+def test_a_key_held_at_its_limit_fails_the_optional_check(
+    queue: LeaseQueue, resources: dict[str, Any]
+) -> None:
+    queue.enqueue_many(
+        [{"n": n} for n in range(3)], queue="documents", concurrency_key=lambda p: "acme"
+    )
+    queue.enqueue({"n": 9}, queue="documents", concurrency_key="globex")
+    queue.set_concurrency_limit("documents", 1)
+    leases = queue.claim_many(5, queue="documents")
+    assert len(leases) == 2  # one of each key
+    checks = build_queue_asset_checks(["documents"], key_at_limit_after_seconds=300)
+    evaluations = evaluate(checks, resources)
+    assert evaluations["documents", "no_key_held_at_limit"].passed
+    waiting = [task.task_id for task in queue.list_tasks(status="enqueued", queue="documents")]
+    backdate_run_at(queue, 600, *waiting)
+    failed = evaluate(checks, resources)["documents", "no_key_held_at_limit"]
+    assert not failed.passed
+    held = values(failed)["keys_held"]
+    assert list(held) == ["acme"]  # type: ignore[call-overload]
+    assert held["acme"]["running"] == 1 and held["acme"]["waited_seconds"] >= 600  # type: ignore[index]
+    # Left out unless asked for.
+    assert ("documents", "no_key_held_at_limit") not in evaluate(
+        build_queue_asset_checks(["documents"]), resources
+    )
+    with pytest.raises(dg.DagsterInvalidDefinitionError, match="key_at_limit_after_seconds"):
+        build_queue_asset_checks(["documents"], key_at_limit_after_seconds=-1)

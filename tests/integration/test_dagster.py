@@ -292,6 +292,34 @@ def test_unchanged_counts_are_not_recorded_again(example_env: LeaseQueue) -> Non
     assert recorded_counts(sweeper_tick(sensor, soon.cursor, start + 3600)) == {}
 
 
+def test_a_pause_is_observed_at_once_with_the_limits_in_force(example_env: LeaseQueue) -> None:
+    queue = example_env
+    queue.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
+    queue.set_concurrency_limit("documents", 3)
+    queue.set_rate_limit("documents", per_second=2, key="acme")
+    sensor = build_sweeper_sensor()
+    start = time.time()
+    first = sweeper_tick(sensor, None, start)
+
+    def observed(result: SensorExecutionData) -> list[dict[str, object]]:
+        return [
+            {key: value.value for key, value in event.metadata.items()}
+            for event in result.asset_events
+            if event.metadata["event"].value == "queue_counts"
+        ]
+
+    (limits,) = observed(first)
+    assert (limits["paused"], limits["max_running_per_key"]) == (False, 3)
+    assert limits["key_limits"] == {"acme": {"running": 0, "max_running": None, "per_second": 2.0}}
+    queue.pause("documents")
+    # Within the counts' interval, a pause is recorded all the same, and so is the resume.
+    (paused,) = observed(paused_tick := sweeper_tick(sensor, first.cursor, start + 30))
+    assert paused["paused"] is True and paused["enqueued"] == 1
+    queue.resume("documents")
+    (resumed,) = observed(sweeper_tick(sensor, paused_tick.cursor, start + 60))
+    assert resumed["paused"] is False
+
+
 def test_changed_counts_wait_until_the_interval_has_passed(example_env: LeaseQueue) -> None:
     queue = example_env
     queue.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
