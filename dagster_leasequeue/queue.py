@@ -18,9 +18,7 @@ from psycopg.rows import class_row
 
 from . import batches as batch_module, flow as flow_module, schema as schema_module, sql
 from .attempts import Attempt, AttemptTarget, attempt_target, run_attempt
-from .connection import (
-    reset_session,
-)
+from .connection import CachedConnection, reset_session
 from .driver import QueueDriver
 from .dsn import describe
 from .embedded import embedded_dsn
@@ -66,6 +64,9 @@ logger = logging.getLogger(__name__)
 # An idempotent enqueue can race with the task it collides with finishing; a retry settles it.
 _ENQUEUE_RETRIES = 5
 _POLL_SECONDS = 1.0
+# How long a queue found controlled is claimed through claim_flow before it is asked again
+# (a queue whose controls were all removed is claimed correctly, if slower, meanwhile).
+_CONTROLLED_RECHECK_SECONDS = 5.0
 
 
 class LeaseQueue:
@@ -107,6 +108,8 @@ class LeaseQueue:
         self.default_worker_id = f"{socket.gethostname()}:{os.getpid()}"
         self._driver = QueueDriver(dsn, self.schema, self.settings)
         self._listener = Listener(dsn, self.schema, self._driver.options)
+        # Queues found controlled, and until when (monotonic) to claim them by claim_flow.
+        self._controlled: dict[str, float] = {}
         self._notify = {
             "notify": self.settings.notify,
             "channel": sql.notify_channel(self.schema),
@@ -470,7 +473,10 @@ class LeaseQueue:
             "lease_seconds": check_lease_seconds(lease_seconds),
             "default_lease": self.settings.lease_seconds,
         }
-        statement = sql.compose_claim(self.schema, limit)
+        statements = (
+            sql.compose_claim(self.schema, limit),
+            sql.compose_claim_flow(self.schema, limit),
+        )
         deadline = time.monotonic() + wait
         if wait:
             with self._driver.errors:
@@ -478,7 +484,7 @@ class LeaseQueue:
         while True:
             sent = time.monotonic()
             with self._driver.statements() as conn:
-                rows = conn.execute(statement, params).fetchall()
+                rows = self._claim_rows(conn, queue, statements, params)
             # A rate-limited queue without a token answers with a row saying when the
             # next one is due, and no task.
             next_token = min((row[10] for row in rows if row[0] is None), default=None)
@@ -514,6 +520,32 @@ class LeaseQueue:
             )
             for row in rows
         ]
+
+    def _claim_rows(
+        self,
+        conn: CachedConnection,
+        queue: str,
+        statements: tuple[str, str],
+        params: Mapping[str, Any],
+    ) -> list[tuple[Any, ...]]:
+        """Claim by the plain statement, or by claim_flow when the queue is controlled.
+
+        The plain statement picks nothing from a controlled queue, so a stale guess costs
+        a round trip, never a limit: when it finds nothing, the queue is asked whether it
+        is controlled, and is then claimed through claim_flow for a while.
+        """
+        plain, controlled = statements
+        if self._controlled.get(queue, 0.0) > time.monotonic():
+            return conn.execute(controlled, params).fetchall()
+        rows = conn.execute(plain, params).fetchall()
+        if rows:
+            return rows
+        row = conn.execute(self._driver.statement(sql.QUEUE_CONTROLLED), params).fetchone()
+        if not (row and row[0]):
+            self._controlled.pop(queue, None)
+            return rows
+        self._controlled[queue] = time.monotonic() + _CONTROLLED_RECHECK_SECONDS
+        return conn.execute(controlled, params).fetchall()
 
     # -- maintenance -----------------------------------------------------------------------
 

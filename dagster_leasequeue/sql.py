@@ -167,21 +167,14 @@ _NOTIFY_KEYS_FREED = """
             (SELECT f.max_running FROM {schema}.queue_flow AS f WHERE f.queue = c.queue))
     )"""
 
-# What both claims return of the tasks they leased (the columns claim_flow answers in).
-_CLAIMED = """
-    SELECT id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
-           idempotency_key, lease_seconds, run_at, next_token_in
-    FROM claimed"""
-
-# A controlled queue's claim, in the same statement: run only when the queue is controlled
-# (a one-time filter; the plain part then picks nothing).
-_CLAIM_CONTROLLED = (
-    """
+# A controlled queue's claim. The plain claims refuse a controlled queue (they pick nothing
+# from it); a claimer that finds nothing asks QUEUE_CONTROLLED, and claims a controlled
+# queue through this for a while (queue.py, _CONTROLLED_RECHECK_SECONDS).
+CLAIM_FLOW = """
     SELECT * FROM {schema}.claim_flow(
         %(queue)s, {limit}, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)
-    WHERE """
-    + _CONTROLLED
-)
+"""
+QUEUE_CONTROLLED = "SELECT " + _CONTROLLED
 
 ENSURE_QUEUE_FLOW = """
     INSERT INTO {schema}.queue_flow (queue) VALUES (%(queue)s) ON CONFLICT (queue) DO NOTHING
@@ -277,7 +270,6 @@ KEYS_AT_LIMIT = """
 # queue.claim_many reads it.
 CLAIM_ONE = (
     """
-    WITH claimed AS (
     UPDATE {schema}.tasks AS t
     SET status = 'processing',
         attempts = t.attempts + 1,
@@ -300,12 +292,8 @@ CLAIM_ONE = (
     RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
               t.lease_expires_at, t.idempotency_key,
               coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s) AS lease_seconds,
-              t.run_at, NULL::double precision AS next_token_in, t.queue, t.concurrency_key
-    )"""
-    + _CLAIMED
-    + """
-    UNION ALL"""
-    + _CLAIM_CONTROLLED
+              t.run_at, NULL::double precision AS next_token_in
+"""
 )
 
 # Many tasks: the rows are locked in a CTE with LIMIT, because "id IN (SELECT ... LIMIT n
@@ -339,10 +327,11 @@ CLAIM_MANY = (
               t.run_at, NULL::double precision AS next_token_in, t.queue, t.concurrency_key
     )"""
     + _COUNT_KEYS_IN_BULK.format(changed="claimed", tasks="n.tasks")
-    + _CLAIMED
     + """
-    UNION ALL"""
-    + _CLAIM_CONTROLLED
+    SELECT id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
+           idempotency_key, lease_seconds, run_at, next_token_in
+    FROM claimed
+"""
 )
 
 # Fencing: every lease operation matches the token of this claim and the status it left,
@@ -841,6 +830,11 @@ def notify_channel(schema: str) -> str:
 def compose_claim(schema: str, limit: int) -> str:
     """The claim statement for ``schema`` with ``limit`` written in as a literal."""
     return _render(CLAIM_ONE if limit == 1 else CLAIM_MANY, schema, limit=sql.Literal(limit))
+
+
+def compose_claim_flow(schema: str, limit: int) -> str:
+    """A controlled queue's claim for ``schema``, ``limit`` written in as in compose_claim."""
+    return _render(CLAIM_FLOW, schema, limit=sql.Literal(limit))
 
 
 def compose_index(template: str, schema: str, index: str) -> str:
