@@ -358,6 +358,14 @@ class DatabaseErrors:
                 f"no database connection available from the pool for {describe(self._dsn)}: "
                 f"{redact(str(exc), self._dsn)}"
             )
+        if isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("40"):
+            # SQLSTATE class 40, a deadlock or a serialization failure: the server is
+            # there, and undid this statement's transaction to let another go on.
+            return LeaseQueueError(
+                f"the database rolled this transaction back to resolve a conflict with "
+                f"another ({type(exc).__name__}); nothing in it was written, so it can be "
+                f"tried again: {redact(str(exc).strip(), self._dsn)}"
+            )
         if isinstance(exc, psycopg.OperationalError):
             return DatabaseUnavailable(
                 f"lost or could not open the connection to PostgreSQL at "
