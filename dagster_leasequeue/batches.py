@@ -18,10 +18,9 @@ import psycopg
 from . import sql
 from .driver import QueueDriver
 from .errors import BatchNotFound, ConfigurationError
-from .flow import ConcurrencyKey, key_of
+from .flow import ConcurrencyKey, encode_payloads
 from .models import STATUSES, Batch, BatchInfo, TaskResult
 from .notify import Listener
-from .payloads import encode_object
 from .validation import check_key
 
 # Rows sent to COPY per write, and payloads per statement when keys make COPY unusable.
@@ -79,15 +78,6 @@ def enqueue_batch(
     return Batch(batch_id, name, queue, total, created_at)
 
 
-def _encoded(
-    payloads: Iterable[Mapping[str, Any]], concurrency_key: ConcurrencyKey, max_bytes: int
-) -> Iterator[tuple[str, str | None]]:
-    """Each payload's JSON text and its concurrency key, checked."""
-    for index, payload in enumerate(payloads):
-        text = encode_object(payload, what=f"payload #{index}", max_bytes=max_bytes)
-        yield text, key_of(concurrency_key, payload, index)
-
-
 def _copy_tasks(
     conn: psycopg.Connection[Any],
     driver: QueueDriver,
@@ -99,7 +89,7 @@ def _copy_tasks(
     # Every column but the payload and the concurrency key is the same on every row.
     before = columns["queue"].translate(_COPY_ESCAPES) + "\t" + str(columns["priority"]) + "\t"
     middle = "\t" + str(columns["max_attempts"]) + "\t" + str(columns["batch_id"]) + "\t"
-    encoded = _encoded(payloads, columns["concurrency_key"], max_bytes)
+    encoded = encode_payloads(payloads, columns["concurrency_key"], max_bytes)
     total = 0
     with conn.cursor().copy(driver.statement(sql.COPY_BATCH_TASKS)) as copy:
         while chunk := list(islice(encoded, COPY_ROWS_PER_WRITE)):
@@ -128,7 +118,7 @@ def _insert_keyed_tasks(
 ) -> int:
     """Insert the tasks in chunks, skipping keys held by unfinished tasks, as enqueue does."""
     statement = driver.statement(sql.ENQUEUE_BATCH_KEYED)
-    encoded = _encoded(payloads, columns["concurrency_key"], max_bytes)
+    encoded = encode_payloads(payloads, columns["concurrency_key"], max_bytes)
     pairs = zip(encoded, _checked_keys(keys), strict=True)
     total = 0
     try:

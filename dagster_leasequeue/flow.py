@@ -9,7 +9,7 @@ exposes these functions as its methods.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeAlias
 
 import psycopg
@@ -17,6 +17,7 @@ import psycopg
 from . import sql
 from .driver import QueueDriver
 from .models import KeyAtLimit, KeyFlow, QueueFlow
+from .payloads import encode_object
 from .validation import check_key
 
 # A task's concurrency key: one for every task of a call, or one per payload from a
@@ -29,6 +30,15 @@ def key_of(concurrency_key: ConcurrencyKey, payload: Mapping[str, Any], index: i
     if callable(concurrency_key):
         return check_key(concurrency_key(payload), f"the concurrency key of payload #{index}")
     return check_key(concurrency_key, "concurrency_key")
+
+
+def encode_payloads(
+    payloads: Iterable[Mapping[str, Any]], concurrency_key: ConcurrencyKey, max_bytes: int
+) -> Iterator[tuple[str, str | None]]:
+    """Each payload's JSON text and its concurrency key, checked, in the payloads' order."""
+    for index, payload in enumerate(payloads):
+        text = encode_object(payload, what=f"payload #{index}", max_bytes=max_bytes)
+        yield text, key_of(concurrency_key, payload, index)
 
 
 def _changed(
@@ -90,13 +100,17 @@ def set_rate_limit(
         _changed(driver, queue, sql.SET_KEY_RATE, params, notify, key_limits=True)
 
 
+def _key_flow(
+    key: str, running: int, max_running: int | None, per_second: float | None, burst: float | None
+) -> KeyFlow:
+    """A row of flow_keys (key, running, max_running, per_second, burst)."""
+    return KeyFlow(key, int(running), max_running, per_second, burst)
+
+
 def queue_flow(conn: psycopg.Connection[Any], driver: QueueDriver, queue: str) -> QueueFlow:
     """The controls in force on a queue, with the keys that have limits of their own."""
     keys = tuple(
-        KeyFlow(key, int(running), max_running, per_second, burst)
-        for key, running, max_running, per_second, burst in conn.execute(
-            driver.statement(sql.FLOW_KEYS), {"queue": queue}
-        )
+        _key_flow(*row) for row in conn.execute(driver.statement(sql.FLOW_KEYS), {"queue": queue})
     )
     row = conn.execute(driver.statement(sql.QUEUE_FLOW), {"queue": queue}).fetchone()
     if row is None:
@@ -109,12 +123,8 @@ def controlled_queues(driver: QueueDriver) -> dict[str, QueueFlow]:
     """See :meth:`LeaseQueue.flows`."""
     with driver.connection() as conn:
         keys: dict[str, list[KeyFlow]] = {}
-        for queue, key, running, max_running, per_second, burst in conn.execute(
-            driver.statement(sql.ALL_FLOW_KEYS)
-        ):
-            keys.setdefault(queue, []).append(
-                KeyFlow(key, int(running), max_running, per_second, burst)
-            )
+        for queue, *row in conn.execute(driver.statement(sql.ALL_FLOW_KEYS)):
+            keys.setdefault(queue, []).append(_key_flow(*row))
         rows = conn.execute(driver.statement(sql.CONTROLLED_QUEUES)).fetchall()
     return {
         queue: QueueFlow(

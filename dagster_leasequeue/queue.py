@@ -23,7 +23,7 @@ from .driver import QueueDriver
 from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TaskNotFound
-from .flow import ConcurrencyKey, key_of
+from .flow import ConcurrencyKey, encode_payloads
 from .lease import Lease
 from .models import (
     FINISHED,
@@ -245,12 +245,10 @@ class LeaseQueue:
         returns its key (or None).
         """
         limit = self.settings.payload_max_bytes
-        encoded, keys = [], []
-        for index, payload in enumerate(payloads):
-            encoded.append(encode_object(payload, what=f"payload #{index}", max_bytes=limit))
-            keys.append(key_of(concurrency_key, payload, index))
-        if not encoded:
+        rows = list(encode_payloads(payloads, concurrency_key, limit))
+        if not rows:
             return []
+        encoded, keys = (list(column) for column in zip(*rows, strict=True))
         params = {
             "queue": check_queue(queue),
             "priority": check_priority(priority),
@@ -622,7 +620,9 @@ class LeaseQueue:
         indexes, at a cost that does not grow with the finished rows: use it for anything
         that runs on every tick.
         """
-        per_queue = self._stats_rows(queue, finished).values()
+        with self._driver.connection() as conn:
+            per_queue = self._stats_rows(conn, queue, finished).values()
+            flow = None if queue is None else flow_module.queue_flow(conn, self._driver, queue)
         counts: dict[str, int] = dict.fromkeys(STATUSES if finished else LIVE, 0)
         for stats in per_queue:
             for status, count in stats.counts.items():
@@ -630,10 +630,6 @@ class LeaseQueue:
         ages = [
             s.oldest_enqueued_seconds for s in per_queue if s.oldest_enqueued_seconds is not None
         ]
-        flow = None
-        if queue is not None:
-            with self._driver.connection() as conn:
-                flow = flow_module.queue_flow(conn, self._driver, queue)
         return QueueStats(
             queue=queue,
             counts=counts,
@@ -644,13 +640,15 @@ class LeaseQueue:
 
     def stats_by_queue(self, *, finished: bool = True) -> dict[str, QueueStats]:
         """:meth:`stats` for every queue that holds tasks (live tasks, when not ``finished``)."""
-        return self._stats_rows(None, finished)
+        with self._driver.connection() as conn:
+            return self._stats_rows(conn, None, finished)
 
-    def _stats_rows(self, queue: str | None, finished: bool) -> dict[str, QueueStats]:
+    def _stats_rows(
+        self, conn: psycopg.Connection[Any], queue: str | None, finished: bool
+    ) -> dict[str, QueueStats]:
         statement = sql.STATS if finished else sql.LIVE_STATS
         statuses = STATUSES if finished else LIVE
-        with self._driver.connection() as conn:
-            rows = conn.execute(self._driver.statement(statement), {"queue": queue}).fetchall()
+        rows = conn.execute(self._driver.statement(statement), {"queue": queue}).fetchall()
         per_queue: dict[str, QueueStats] = {}
         for name, status, count, due, age in rows:
             stats = per_queue.setdefault(
