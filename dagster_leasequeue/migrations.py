@@ -14,6 +14,7 @@ interrupted build), since its effect is not rolled back with the version record.
 
 from __future__ import annotations
 
+from textwrap import indent
 from typing import NamedTuple
 
 
@@ -291,7 +292,9 @@ _PICK_IF_ROOM = """
                 END IF;
                 v_candidates := v_candidates || v_task.id;"""
 
-_CLAIM_FLOW = (
+# claim_flow() in parts: migration 9's version, and migration 11's, which differs only in
+# how many keys it locks (_KEYS_ROOM_V9, _KEYS_ROOM).
+_CLAIM_FLOW_HEAD = (
     """
     CREATE FUNCTION {schema}.claim_flow(
         p_queue text, p_limit integer, p_worker text, p_lease double precision,
@@ -320,7 +323,11 @@ _CLAIM_FLOW = (
         v_key text;
         v_tokens double precision;
         v_task record;
-    BEGIN
+"""
+)
+
+_CLAIM_FLOW_SCAN = (
+    """    BEGIN
         SELECT * INTO v_flow FROM {schema}.queue_flow AS f WHERE f.queue = p_queue;
         IF v_flow.per_second IS NOT NULL THEN
             UPDATE {schema}.queue_flow AS f
@@ -353,11 +360,38 @@ _CLAIM_FLOW = (
                 AND t.run_at <= clock_timestamp()
               ORDER BY t.priority DESC, t.run_at, t.id
               LIMIT v_scan + 1) AS d;
+"""
+)
 
-        -- Their keys' room, each key's row locked until commit, all at once; a key
-        -- another claimer holds has none.
-        v_new := ARRAY(SELECT DISTINCT k FROM unnest(v_scan_keys) AS k WHERE k IS NOT NULL);
-        IF cardinality(v_new) > 0 THEN
+# Locks the rows of the keys ``v_new`` that no other claimer holds, reads their room into
+# ``{into}`` (keys, then rooms), and takes their buckets' whole tokens off that room.
+_LOCK_KEYS = """            SELECT coalesce(array_agg(l.key), ARRAY[]::text[]),
+                   coalesce(array_agg(l.room), ARRAY[]::integer[])
+            INTO {into}
+            FROM (SELECT k.key,
+                         CASE WHEN coalesce(k.max_running, v_flow.max_running) IS NULL
+                              THEN 2147483647
+                              ELSE greatest(0, coalesce(k.max_running, v_flow.max_running)
+                                               - k.running) END AS room
+                  FROM {schema}.flow_keys AS k
+                  WHERE k.queue = p_queue AND k.key = ANY (v_new)
+                  FOR UPDATE SKIP LOCKED) AS l;
+"""
+_TAKE_KEY_TOKENS = (
+    """            FOR v_key, v_tokens IN
+                UPDATE {schema}.flow_keys AS f
+                SET tokens = """
+    + _REFILLED
+    + """, refilled_at = clock_timestamp()
+                WHERE f.queue = p_queue AND f.key = ANY ({locked}) AND f.per_second IS NOT NULL
+                RETURNING f.key, f.tokens
+            LOOP
+                v_at := array_position(v_keys, v_key);
+                v_room[v_at] := least(v_room[v_at], floor(v_tokens)::integer);
+            END LOOP;
+"""
+)
+_MAKE_KEY_ROWS = """\
             -- A key's row is made by its first claim (a probe first: a conflict costs more).
             -- In key order, as every statement that writes many keys' rows: two that
             -- share keys then never hold one each while waiting for the other's.
@@ -367,34 +401,14 @@ _CLAIM_FLOW = (
                               WHERE e.queue = p_queue AND e.key = k)
             ORDER BY k
             ON CONFLICT DO NOTHING;
-            SELECT coalesce(array_agg(l.key), ARRAY[]::text[]),
-                   coalesce(array_agg(l.room), ARRAY[]::integer[])
-            INTO v_keys, v_room
-            FROM (SELECT k.key,
-                         CASE WHEN coalesce(k.max_running, v_flow.max_running) IS NULL
-                              THEN 2147483647
-                              ELSE greatest(0, coalesce(k.max_running, v_flow.max_running)
-                                               - k.running) END AS room
-                  FROM {schema}.flow_keys AS k
-                  WHERE k.queue = p_queue AND k.key = ANY (v_new)
-                  FOR UPDATE SKIP LOCKED) AS l;
-            FOR v_key, v_tokens IN
-                UPDATE {schema}.flow_keys AS f
-                SET tokens = """
-    + _REFILLED
-    + """, refilled_at = clock_timestamp()
-                WHERE f.queue = p_queue AND f.key = ANY (v_keys) AND f.per_second IS NOT NULL
-                RETURNING f.key, f.tokens
-            LOOP
-                v_at := array_position(v_keys, v_key);
-                v_room[v_at] := least(v_room[v_at], floor(v_tokens)::integer);
-            END LOOP;
-            v_new := ARRAY(SELECT unnest(v_new) EXCEPT SELECT unnest(v_keys));
-            v_keys := v_keys || v_new;
-            v_room := v_room || array_fill(0, ARRAY[cardinality(v_new)]);
-        END IF;
-        -- The scanned tasks in claim order, those of keys without room passed over.
-        SELECT coalesce(array_agg(p.id ORDER BY p.n), ARRAY[]::bigint[])
+"""
+_SCANNED_KEYS = (
+    "v_new := ARRAY(SELECT DISTINCT k FROM unnest(v_scan_keys) AS k WHERE k IS NOT NULL);"
+)
+
+# The first ``v_want`` scanned tasks among the first ``{bound}``, in claim order, those of
+# keys without room passed over.
+_CANDIDATES = """SELECT coalesce(array_agg(p.id ORDER BY p.n), ARRAY[]::bigint[])
         INTO v_candidates
         FROM (SELECT r.id, r.n
               FROM (SELECT u.id, u.n, u.concurrency_key,
@@ -402,12 +416,37 @@ _CLAIM_FLOW = (
                                AS nth
                     FROM unnest(v_ids, v_scan_keys) WITH ORDINALITY
                         AS u(id, concurrency_key, n)
-                    WHERE u.n <= v_scan) AS r
+                    WHERE u.n <= {bound}) AS r
               LEFT JOIN unnest(v_keys, v_room) AS k(key, room) ON k.key = r.concurrency_key
               WHERE r.concurrency_key IS NULL OR r.nth <= k.room
               ORDER BY r.n
-              LIMIT v_want) AS p;
-        -- How many each key has picked, for the look-up below.
+              LIMIT v_want) AS p;"""
+
+# Migration 9: every scanned task's key locked at once.
+_KEYS_ROOM_V9 = (
+    """
+        -- Their keys' room, each key's row locked until commit, all at once; a key
+        -- another claimer holds has none.
+        """
+    + _SCANNED_KEYS
+    + """
+        IF cardinality(v_new) > 0 THEN
+"""
+    + _MAKE_KEY_ROWS
+    + _LOCK_KEYS.replace("{into}", "v_keys, v_room")
+    + _TAKE_KEY_TOKENS.replace("{locked}", "v_keys")
+    + """            v_new := ARRAY(SELECT unnest(v_new) EXCEPT SELECT unnest(v_keys));
+            v_keys := v_keys || v_new;
+            v_room := v_room || array_fill(0, ARRAY[cardinality(v_new)]);
+        END IF;
+        -- The scanned tasks in claim order, those of keys without room passed over.
+        """
+    + _CANDIDATES.replace("{bound}", "v_scan")
+    + "\n"
+)
+
+_PICKED_AND_LOOK_UP = (
+    """        -- How many each key has picked, for the look-up below.
         v_picked := ARRAY(
             SELECT count(u.id)::integer
             FROM unnest(v_keys) WITH ORDINALITY AS k(key, n)
@@ -429,20 +468,8 @@ _CLAIM_FLOW = (
     + _PICK_IF_ROOM
     + """
             END LOOP;
-            FOR v_key IN
-                WITH RECURSIVE waiting(key) AS (
-                    SELECT min(t.concurrency_key) FROM {schema}.tasks AS t
-                    WHERE t.queue = p_queue AND t.status = 'enqueued'
-                      AND t.concurrency_key IS NOT NULL
-                    UNION ALL
-                    SELECT (SELECT min(t.concurrency_key) FROM {schema}.tasks AS t
-                            WHERE t.queue = p_queue AND t.status = 'enqueued'
-                              AND t.concurrency_key > w.key)
-                    FROM waiting AS w WHERE w.key IS NOT NULL
-                )
-                SELECT w.key FROM waiting AS w WHERE w.key IS NOT NULL
-            LOOP
-                v_at := array_position(v_keys, v_key);
+            FOR v_key IN{waiting_keys}            LOOP
+{enough}                v_at := array_position(v_keys, v_key);
                 CONTINUE WHEN v_at IS NOT NULL AND v_picked[v_at] >= v_room[v_at];
                 FOR v_task IN
                     SELECT t.id, t.concurrency_key FROM {schema}.tasks AS t
@@ -505,6 +532,108 @@ _CLAIM_FLOW = (
     $$
 """
 )
+
+# The keys with tasks enqueued, in key order, one index probe each.
+_WAITING_KEYS_V9 = """
+                WITH RECURSIVE waiting(key) AS (
+                    SELECT min(t.concurrency_key) FROM {schema}.tasks AS t
+                    WHERE t.queue = p_queue AND t.status = 'enqueued'
+                      AND t.concurrency_key IS NOT NULL
+                    UNION ALL
+                    SELECT (SELECT min(t.concurrency_key) FROM {schema}.tasks AS t
+                            WHERE t.queue = p_queue AND t.status = 'enqueued'
+                              AND t.concurrency_key > w.key)
+                    FROM waiting AS w WHERE w.key IS NOT NULL
+                )
+                SELECT w.key FROM waiting AS w WHERE w.key IS NOT NULL
+"""
+
+_CLAIM_FLOW = (
+    _CLAIM_FLOW_HEAD
+    + _CLAIM_FLOW_SCAN
+    + _KEYS_ROOM_V9
+    + _PICKED_AND_LOOK_UP.replace("{waiting_keys}", _WAITING_KEYS_V9).replace("{enough}", "")
+)
+
+# Migration 11: keys locked as the claim needs them. Locking every scanned task's key
+# (migration 9) held hundreds of key rows for a claim of 100 tasks, and claimers running
+# side by side found the keys of the queue's first tasks all held, passed over most of
+# their scan, and fell through to the key-by-key look-up. Now a claim locks the keys of
+# its first v_want scanned tasks; while it has fewer picks than it wants, it locks those
+# of as many more tasks again as it still lacks, twice over. The picks stay the first in
+# claim order among the tasks looked at, as before.
+_KEYS_ROOM = (
+    """
+        -- Every scanned task's key has a row, made here at once.
+        """
+    + _SCANNED_KEYS
+    + """
+        IF cardinality(v_new) > 0 THEN
+"""
+    + _MAKE_KEY_ROWS
+    + """        END IF;
+        -- The keys of the first tasks, each key's row locked until commit; a key another
+        -- claimer holds has no room.
+        v_prefix := least(v_want, v_scan);
+        LOOP
+            v_new := ARRAY(SELECT DISTINCT k FROM unnest(v_scan_keys[1:v_prefix]) AS k
+                           WHERE k IS NOT NULL AND k <> ALL (v_keys));
+            IF cardinality(v_new) > 0 THEN
+"""
+    + indent(_LOCK_KEYS.replace("{into}", "v_locked, v_locked_room"), "    ")
+    + """                v_keys := v_keys || v_locked;
+                v_room := v_room || v_locked_room;
+"""
+    + indent(_TAKE_KEY_TOKENS.replace("{locked}", "v_locked"), "    ")
+    + """                v_new := ARRAY(SELECT unnest(v_new) EXCEPT SELECT unnest(v_locked));
+                v_keys := v_keys || v_new;
+                v_room := v_room || array_fill(0, ARRAY[cardinality(v_new)]);
+            END IF;
+"""
+    + indent("        " + _CANDIDATES.replace("{bound}", "v_prefix"), "    ")
+    + """
+            EXIT WHEN cardinality(v_candidates) >= v_want
+                OR v_prefix >= least(v_scan, cardinality(v_ids));
+            v_prefix := least(v_scan, v_prefix + v_want - cardinality(v_candidates));
+        END LOOP;
+
+"""
+)
+
+# The same walk, written in the key index's own order so that it is the plan even before
+# the table's statistics are gathered (with none, min() was planned over the claim index:
+# a read of every enqueued task per key).
+_WAITING_KEYS = """
+                WITH RECURSIVE waiting(key) AS (
+                    (SELECT t.concurrency_key FROM {schema}.tasks AS t
+                     WHERE t.queue = p_queue AND t.status = 'enqueued'
+                       AND t.concurrency_key IS NOT NULL
+                     ORDER BY t.queue, t.concurrency_key LIMIT 1)
+                    UNION ALL
+                    SELECT (SELECT t.concurrency_key FROM {schema}.tasks AS t
+                            WHERE t.queue = p_queue AND t.status = 'enqueued'
+                              AND t.concurrency_key > w.key
+                            ORDER BY t.queue, t.concurrency_key LIMIT 1)
+                    FROM waiting AS w WHERE w.key IS NOT NULL
+                )
+                SELECT w.key FROM waiting AS w WHERE w.key IS NOT NULL
+"""
+
+_CLAIM_FLOW_V11 = (
+    _CLAIM_FLOW_HEAD.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION").replace(
+        "        v_task record;\n",
+        "        v_task record;\n"
+        "        v_prefix integer;\n"
+        "        v_locked text[];\n"
+        "        v_locked_room integer[];\n",
+    )
+    + _CLAIM_FLOW_SCAN
+    + _KEYS_ROOM
+    + _PICKED_AND_LOOK_UP.replace("{waiting_keys}", _WAITING_KEYS).replace(
+        "{enough}", "                EXIT WHEN cardinality(v_candidates) >= v_want;\n"
+    )
+)
+
 
 # A keyed task's running count, on every path into and out of 'processing'. A finish that
 # frees a slot of a key at its limit wakes the queue's waiting claimers, as an enqueue does.
@@ -836,6 +965,9 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
         concurrently=True,
+    ),
+    Migration(
+        11, "claim_flow locks the keys it needs, not every key it looks at", (_CLAIM_FLOW_V11,)
     ),
 )
 

@@ -346,3 +346,32 @@ def test_statements_finishing_tasks_of_shared_keys_never_deadlock(
     assert errors == []
     assert queue.stats("api").counts["done"] == 4
     assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
+
+
+def test_a_claim_locks_the_keys_it_needs_not_every_key_it_looks_at(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    queue.enqueue_many(
+        ({"n": n} for n in range(2000)), concurrency_key=lambda p: f"customer-{p['n'] % 1000}"
+    )
+    queue.set_concurrency_limit("default", 5)
+    run_sql(
+        queue,
+        "INSERT INTO {schema}.flow_keys (queue, key) SELECT 'default', 'customer-' || g"
+        " FROM generate_series(0, 999) AS g ON CONFLICT DO NOTHING",
+    )
+    claim = f'SELECT id FROM "{queue.schema}".claim_flow(%s, 100, %s, NULL, 30)'
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn) as other:
+        assert len(holder.execute(claim, ("default", "holder")).fetchall()) == 100
+        free = other.execute(
+            f'SELECT count(*) FROM (SELECT key FROM "{queue.schema}".flow_keys'
+            " FOR UPDATE SKIP LOCKED) AS free"
+        ).fetchone()
+        other.rollback()
+        # The claim's scan looks at the first 464 tasks (464 keys); it holds only 100.
+        assert free == (900,)
+        # A claimer beside it gets the next tasks, not the held keys' or nothing.
+        second = [row[0] for row in other.execute(claim, ("default", "other")).fetchall()]
+        assert len(second) == 100
+        holder.rollback()
+        other.rollback()
