@@ -292,7 +292,7 @@ _PICK_IF_ROOM = """
                 END IF;
                 v_candidates := v_candidates || v_task.id;"""
 
-# claim_flow() in parts: migration 9's version, and migration 11's, which differs only in
+# claim_flow() in parts: migration 9's version; migration 11's, which differs only in
 # how many keys it locks (_KEYS_ROOM_V9, _KEYS_ROOM).
 _CLAIM_FLOW_HEAD = (
     """
@@ -326,7 +326,7 @@ _CLAIM_FLOW_HEAD = (
 """
 )
 
-_CLAIM_FLOW_SCAN = (
+_CLAIM_FLOW_BUDGET = (
     """    BEGIN
         SELECT * INTO v_flow FROM {schema}.queue_flow AS f WHERE f.queue = p_queue;
         IF v_flow.per_second IS NOT NULL THEN
@@ -349,6 +349,10 @@ _CLAIM_FLOW_SCAN = (
             END IF;
         END IF;
 
+"""
+)
+
+_CLAIM_FLOW_SCAN = """\
         -- The first due tasks in claim order, one past the scan's length.
         SELECT coalesce(array_agg(d.id ORDER BY d.priority DESC, d.run_at, d.id),
                         ARRAY[]::bigint[]),
@@ -361,7 +365,6 @@ _CLAIM_FLOW_SCAN = (
               ORDER BY t.priority DESC, t.run_at, t.id
               LIMIT v_scan + 1) AS d;
 """
-)
 
 # Locks the rows of the keys ``v_new`` that no other claimer holds, reads their room into
 # ``{into}`` (keys, then rooms), and takes their buckets' whole tokens off that room.
@@ -485,6 +488,10 @@ _PICKED_AND_LOOK_UP = (
             END LOOP;
         END IF;
 
+"""
+)
+
+_LEASE_PICKS = """\
         -- Lease the picks in claim order, up to the tasks asked for, in one statement that
         -- also counts them against their keys (whose rows this claim holds) and takes
         -- their tokens; the key trigger, told so, leaves them be.
@@ -527,11 +534,12 @@ _PICKED_AND_LOOK_UP = (
                l.lease_expires_at, l.idempotency_key, l.lease_seconds, l.run_at,
                NULL::double precision
         FROM leased AS l;
+"""
+_CLAIM_FLOW_END = """\
         PERFORM set_config('leasequeue.keys_counted', 'off', true);
     END
     $$
 """
-)
 
 # The keys with tasks enqueued, in key order, one index probe each.
 _WAITING_KEYS_V9 = """
@@ -550,9 +558,12 @@ _WAITING_KEYS_V9 = """
 
 _CLAIM_FLOW = (
     _CLAIM_FLOW_HEAD
+    + _CLAIM_FLOW_BUDGET
     + _CLAIM_FLOW_SCAN
     + _KEYS_ROOM_V9
     + _PICKED_AND_LOOK_UP.replace("{waiting_keys}", _WAITING_KEYS_V9).replace("{enough}", "")
+    + _LEASE_PICKS
+    + _CLAIM_FLOW_END
 )
 
 # Migration 11: keys locked as the claim needs them. Locking every scanned task's key
@@ -619,19 +630,57 @@ _WAITING_KEYS = """
                 SELECT w.key FROM waiting AS w WHERE w.key IS NOT NULL
 """
 
+_CLAIM_FLOW_V11_HEAD = _CLAIM_FLOW_HEAD.replace(
+    "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"
+).replace(
+    "        v_task record;\n",
+    "        v_task record;\n"
+    "        v_prefix integer;\n"
+    "        v_locked text[];\n"
+    "        v_locked_room integer[];\n",
+)
+_LOOK_UP_V11 = _PICKED_AND_LOOK_UP.replace("{waiting_keys}", _WAITING_KEYS).replace(
+    "{enough}", "                EXIT WHEN cardinality(v_candidates) >= v_want;\n"
+)
+
 _CLAIM_FLOW_V11 = (
-    _CLAIM_FLOW_HEAD.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION").replace(
-        "        v_task record;\n",
-        "        v_task record;\n"
-        "        v_prefix integer;\n"
-        "        v_locked text[];\n"
-        "        v_locked_room integer[];\n",
-    )
+    _CLAIM_FLOW_V11_HEAD
+    + _CLAIM_FLOW_BUDGET
     + _CLAIM_FLOW_SCAN
     + _KEYS_ROOM
-    + _PICKED_AND_LOOK_UP.replace("{waiting_keys}", _WAITING_KEYS).replace(
-        "{enough}", "                EXIT WHEN cardinality(v_candidates) >= v_want;\n"
+    + _LOOK_UP_V11
+    + _LEASE_PICKS
+    + _CLAIM_FLOW_END
+)
+
+# Migration 12: a claim in rounds. Its scan and its lease are two statements: a task another
+# claimer leases between them (as when this claim waited for that claimer's new key rows,
+# and then locked keys free by now) is no pick at all, and a claim of nothing but such
+# tasks returned nothing while the queue had work due. A claim that leased fewer of its
+# picks than it made scans again for what it still lacks; the keys it holds stay held.
+CLAIM_FLOW_ROUNDS = 3
+_CLAIM_FLOW_V12 = (
+    _CLAIM_FLOW_V11_HEAD.replace(
+        "        v_task record;\n",
+        "        v_task record;\n        v_leased integer;\n        v_round integer := 0;\n",
     )
+    + _CLAIM_FLOW_BUDGET
+    + """
+        LOOP
+            v_round := v_round + 1;
+            v_keys := ARRAY[]::text[];
+            v_room := ARRAY[]::integer[];
+"""
+    + indent(_CLAIM_FLOW_SCAN + _KEYS_ROOM + _LOOK_UP_V11 + _LEASE_PICKS, "    ")
+    + """            GET DIAGNOSTICS v_leased = ROW_COUNT;
+            v_want := v_want - v_leased;
+            EXIT WHEN v_want < 1 OR v_leased >= cardinality(v_candidates)
+                OR v_round >= """
+    + str(CLAIM_FLOW_ROUNDS)
+    + """;
+        END LOOP;
+"""
+    + _CLAIM_FLOW_END
 )
 
 
@@ -968,6 +1017,11 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         11, "claim_flow locks the keys it needs, not every key it looks at", (_CLAIM_FLOW_V11,)
+    ),
+    Migration(
+        12,
+        "claim_flow scans again when tasks it picked were leased by another claimer",
+        (_CLAIM_FLOW_V12,),
     ),
 )
 

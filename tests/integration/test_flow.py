@@ -375,3 +375,35 @@ def test_a_claim_locks_the_keys_it_needs_not_every_key_it_looks_at(
         assert len(second) == 100
         holder.rollback()
         other.rollback()
+
+
+def test_a_claim_that_waited_on_another_claims_key_rows_still_gets_the_next_tasks(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # Two claims start together on a key with no row yet; the second waits for the first's
+    # new row, and by then the tasks it looked at are the first's.
+    queue.enqueue_many(({"n": n} for n in range(30)), concurrency_key="customer-1")
+    queue.set_concurrency_limit("default", 50)
+    claim = f'SELECT id FROM "{queue.schema}".claim_flow(%s, 10, %s, NULL, 30)'
+    second: list[int] = []
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn) as other:
+        first = [row[0] for row in holder.execute(claim, ("default", "holder")).fetchall()]
+        assert len(first) == 10
+        pid = other.info.backend_pid
+        waiting = threading.Thread(
+            target=lambda: second.extend(
+                row[0] for row in other.execute(claim, ("default", "other")).fetchall()
+            )
+        )
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and run_sql(
+            queue, "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %(pid)s", {"pid": pid}
+        ) != [("Lock",)]:
+            time.sleep(0.02)
+        holder.commit()
+        waiting.join(timeout=30)
+        other.commit()
+    assert len(second) == 10
+    assert set(second).isdisjoint(first)
+    assert queue.stats("default").counts["processing"] == 20
