@@ -18,6 +18,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from . import sql
+from .claims import Claims
 from .connection import (
     BorrowedConnection,
     BorrowedStatements,
@@ -58,6 +59,7 @@ class QueueDriver:
         # all busy (an attempt holds one) must still keep its leases.
         self._renewals = SharedConnection(dsn, self.options)
         self._closed = threading.Event()
+        self.claims = Claims(self)
 
     @property
     def closed(self) -> bool:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import sql
+from .claims import Row, in_claim_order
 from .connection import Executor
 from .errors import DatabaseUnavailable, LeaseLost, LeaseQueueError, describe_error
-from .validation import MAX_LEASE_SECONDS, check_seconds
+from .validation import MAX_LEASE_SECONDS, check_lease_seconds, check_seconds
 
 if TYPE_CHECKING:
     from .driver import QueueDriver
@@ -121,6 +123,33 @@ class Lease:
             self._refuse_if_finished("ack")
             self._ack_on(conn, encoded)
             self._outcome = "acked"
+
+    def ack_and_claim(
+        self, result: dict[str, Any] | None = None, *, lease_seconds: float | None = None
+    ) -> Lease | None:
+        """Ack this lease and claim the next due task of its queue, for its worker.
+
+        One statement and one commit instead of two: a worker that finished a task nearly
+        always wants the next. The ack is fenced as :meth:`ack`'s; when the fence fails,
+        this raises LeaseLost and claims nothing. Returns the new lease, or None when the
+        queue has nothing due. ``lease_seconds`` is the new lease's, as in ``claim``.
+        """
+        encoded = self._driver.encode_result(result)
+        claims = self._driver.claims
+        params = claims.params(self.queue, self.worker_id or "", check_lease_seconds(lease_seconds))
+        with self._driver.statements() as conn, self._lock:
+            self._refuse_if_finished("ack")
+            sent = time.monotonic()
+            acked, rows = claims.ack_and_claim(
+                conn, self._fence_params() | {"result": encoded}, 1, params
+            )
+            if not acked:
+                self._raise_lost_on(conn, "ack")
+            self._outcome = "acked"
+        leases = leases_from_rows(
+            self._driver, rows, queue=self.queue, worker_id=self.worker_id or "", sent=sent
+        )
+        return leases[0] if leases else None
 
     def _ack_on(self, conn: Executor, encoded_result: str | None) -> None:
         """Run the fenced ack on ``conn``, inside the caller's transaction if it has one.
@@ -279,6 +308,33 @@ class Lease:
                 self._statement(sql.LEASE_STATE), {"task_id": self.task_id}
             ).fetchone()
         return row is not None and row[1] == self.token and row[0] != "processing"
+
+
+def leases_from_rows(
+    driver: QueueDriver, rows: Iterable[Row], *, queue: str, worker_id: str, sent: float
+) -> list[Lease]:
+    """The leases of a claim's rows, in claim order; ``sent`` is when the claim was sent.
+
+    Rows without a task (a rate-limited queue's word on its next token) are left out.
+    """
+    return [
+        Lease(
+            driver,
+            task_id=row[0],
+            queue_name=queue,
+            payload=row[1],
+            priority=row[2],
+            attempt=row[3],
+            max_attempts=row[4],
+            token=row[5],
+            expires_at=row[6],
+            worker_id=worker_id,
+            idempotency_key=row[7],
+            lease_seconds=row[8],
+            claimed_at=sent,
+        )
+        for row in in_claim_order([row for row in rows if row[0] is not None])
+    ]
 
 
 class _Renewer(threading.Thread):

@@ -671,7 +671,18 @@ _CLAIM_FLOW_V12 = (
             v_keys := ARRAY[]::text[];
             v_room := ARRAY[]::integer[];
 """
-    + indent(_CLAIM_FLOW_SCAN + _KEYS_ROOM + _LOOK_UP_V11 + _LEASE_PICKS, "    ")
+    + indent(
+        _CLAIM_FLOW_SCAN
+        # Key rows are made in the first round only: a claim that made some and waits, in
+        # a later round, on another's new rows could hold one that the other waits for.
+        + _KEYS_ROOM.replace(
+            "IF cardinality(v_new) > 0 THEN\n            -- A key's row",
+            "IF v_round = 1 AND cardinality(v_new) > 0 THEN\n            -- A key's row",
+        )
+        + _LOOK_UP_V11
+        + _LEASE_PICKS,
+        "    ",
+    )
     + """            GET DIAGNOSTICS v_leased = ROW_COUNT;
             v_want := v_want - v_leased;
             EXIT WHEN v_want < 1 OR v_leased >= cardinality(v_candidates)

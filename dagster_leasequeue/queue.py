@@ -18,13 +18,13 @@ from psycopg.rows import class_row
 
 from . import batches as batch_module, flow as flow_module, schema as schema_module, sql
 from .attempts import Attempt, AttemptTarget, attempt_target, run_attempt
-from .connection import CachedConnection, reset_session
+from .connection import reset_session
 from .driver import QueueDriver
 from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TaskNotFound
 from .flow import ConcurrencyKey, encode_payloads
-from .lease import Lease
+from .lease import Lease, leases_from_rows
 from .models import (
     FINISHED,
     LIVE,
@@ -64,9 +64,6 @@ logger = logging.getLogger(__name__)
 # An idempotent enqueue can race with the task it collides with finishing; a retry settles it.
 _ENQUEUE_RETRIES = 5
 _POLL_SECONDS = 1.0
-# How long a queue found controlled is claimed through claim_flow before it is asked again
-# (a queue whose controls were all removed is claimed correctly, if slower, meanwhile).
-_CONTROLLED_RECHECK_SECONDS = 5.0
 
 
 class LeaseQueue:
@@ -108,8 +105,6 @@ class LeaseQueue:
         self.default_worker_id = f"{socket.gethostname()}:{os.getpid()}"
         self._driver = QueueDriver(dsn, self.schema, self.settings)
         self._listener = Listener(dsn, self.schema, self._driver.options)
-        # Queues found controlled, and until when (monotonic) to claim them by claim_flow.
-        self._controlled: dict[str, float] = {}
         self._notify = {
             "notify": self.settings.notify,
             "channel": sql.notify_channel(self.schema),
@@ -465,16 +460,8 @@ class LeaseQueue:
         check_seconds("wait", wait, allow_zero=True)
         queue = check_queue(queue)
         worker = worker_id or self.default_worker_id
-        params = {
-            "queue": queue,
-            "worker_id": worker,
-            "lease_seconds": check_lease_seconds(lease_seconds),
-            "default_lease": self.settings.lease_seconds,
-        }
-        statements = (
-            sql.compose_claim(self.schema, limit),
-            sql.compose_claim_flow(self.schema, limit),
-        )
+        claims = self._driver.claims
+        params = claims.params(queue, worker, check_lease_seconds(lease_seconds))
         deadline = time.monotonic() + wait
         if wait:
             with self._driver.errors:
@@ -482,68 +469,21 @@ class LeaseQueue:
         while True:
             sent = time.monotonic()
             with self._driver.statements() as conn:
-                rows = self._claim_rows(conn, queue, statements, params)
+                rows = claims.claim(conn, limit, params)
             # A rate-limited queue without a token answers with a row saying when the
             # next one is due, and no task.
             next_token = min((row[10] for row in rows if row[0] is None), default=None)
-            rows = [row for row in rows if row[0] is not None]
-            if rows or not wait:
-                break
+            leases = leases_from_rows(self._driver, rows, queue=queue, worker_id=worker, sent=sent)
+            if leases or not wait:
+                return leases
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                break
+                return leases
             with self._driver.errors:
                 # Delayed and retried tasks send no notification: look again each second,
                 # or when the queue's next token is due.
                 pause = min(remaining, _POLL_SECONDS, next_token or _POLL_SECONDS)
                 mark = self._listener.wait(pause, mark)
-        if len(rows) > 1:
-            # UPDATE ... RETURNING gives no order; restore the claim's (run_at is last).
-            rows.sort(key=lambda row: (-row[2], row[9], row[0]))
-        return [
-            Lease(
-                self._driver,
-                task_id=row[0],
-                queue_name=queue,
-                payload=row[1],
-                priority=row[2],
-                attempt=row[3],
-                max_attempts=row[4],
-                token=row[5],
-                expires_at=row[6],
-                worker_id=worker,
-                idempotency_key=row[7],
-                lease_seconds=row[8],
-                claimed_at=sent,
-            )
-            for row in rows
-        ]
-
-    def _claim_rows(
-        self,
-        conn: CachedConnection,
-        queue: str,
-        statements: tuple[str, str],
-        params: Mapping[str, Any],
-    ) -> list[tuple[Any, ...]]:
-        """Claim by the plain statement, or by claim_flow when the queue is controlled.
-
-        The plain statement picks nothing from a controlled queue, so a stale guess costs
-        a round trip, never a limit: when it finds nothing, the queue is asked whether it
-        is controlled, and is then claimed through claim_flow for a while.
-        """
-        plain, controlled = statements
-        if self._controlled.get(queue, 0.0) > time.monotonic():
-            return conn.execute(controlled, params).fetchall()
-        rows = conn.execute(plain, params).fetchall()
-        if rows:
-            return rows
-        row = conn.execute(self._driver.statement(sql.QUEUE_CONTROLLED), params).fetchone()
-        if not (row and row[0]):
-            self._controlled.pop(queue, None)
-            return rows
-        self._controlled[queue] = time.monotonic() + _CONTROLLED_RECHECK_SECONDS
-        return conn.execute(controlled, params).fetchall()
 
     # -- maintenance -----------------------------------------------------------------------
 
@@ -683,31 +623,78 @@ class LeaseQueue:
         are acked all the same and :class:`LeaseLost` is then raised naming the lost ones.
         """
         held = list(leases)
-        encoded = [self._driver.encode_result(r) for r in (results or [None] * len(held))]
-        if len(encoded) != len(held):
-            raise ConfigurationError("ack_many needs one result per lease (or no results)")
+        params = self._ack_many_params("ack_many", held, results)
         if not held:
             return []
-        params = {
+        with self._driver.statements() as conn:
+            acked = {
+                int(row[0]) for row in conn.execute(self._driver.statement(sql.ACK_MANY), params)
+            }
+        self._conclude_acked("ack_many", held, acked, "")
+        return sorted(acked)
+
+    def ack_many_and_claim(
+        self,
+        leases: Iterable[Lease],
+        results: Iterable[Mapping[str, Any] | None] | None = None,
+        *,
+        limit: int,
+        lease_seconds: float | None = None,
+    ) -> list[Lease]:
+        """Ack many leases and claim up to ``limit`` more, in one statement and one commit.
+
+        The leases must be of one queue and one worker; the new ones are too. Each ack is
+        fenced by its own token, as in :meth:`ack_many`: if any lease was lost, the others
+        are acked all the same, nothing is claimed, and :class:`LeaseLost` names the lost
+        ones. Returns the new leases in claim order (none when the queue has nothing due).
+        """
+        check_count("limit", limit)
+        held = list(leases)
+        params = self._ack_many_params("ack_many_and_claim", held, results)
+        if not held:
+            raise ConfigurationError(
+                "ack_many_and_claim needs at least one lease; claim the first with claim_many"
+            )
+        if len({(lease.queue, lease.worker_id) for lease in held}) > 1:
+            raise ConfigurationError(
+                "ack_many_and_claim needs leases of one queue and one worker; "
+                "use ack_many for a mix"
+            )
+        queue, worker = held[0].queue, held[0].worker_id or self.default_worker_id
+        claims = self._driver.claims
+        claim_params = claims.params(queue, worker, check_lease_seconds(lease_seconds))
+        with self._driver.statements() as conn:
+            sent = time.monotonic()
+            acked, rows = claims.ack_and_claim(conn, params, limit, claim_params)
+        self._conclude_acked("ack_many_and_claim", held, acked, "; nothing was claimed")
+        return leases_from_rows(self._driver, rows, queue=queue, worker_id=worker, sent=sent)
+
+    def _ack_many_params(
+        self, action: str, held: list[Lease], results: Iterable[Mapping[str, Any] | None] | None
+    ) -> dict[str, Any]:
+        encoded = [self._driver.encode_result(r) for r in (results or [None] * len(held))]
+        if len(encoded) != len(held):
+            raise ConfigurationError(f"{action} needs one result per lease (or no results)")
+        return {
             "task_ids": [lease.task_id for lease in held],
             "tokens": [lease.token for lease in held],
             "results": encoded,
             "channel": sql.notify_channel(self.schema),
         }
-        with self._driver.statements() as conn:
-            acked = {
-                int(row[0]) for row in conn.execute(self._driver.statement(sql.ACK_MANY), params)
-            }
+
+    @staticmethod
+    def _conclude_acked(action: str, held: list[Lease], acked: set[int], then: str) -> None:
+        """Mark the acked leases finished; raise LeaseLost naming any that were not."""
         for lease in held:
             if lease.task_id in acked:
                 lease._mark_acked()
         lost = [lease.task_id for lease in held if lease.task_id not in acked]
         if lost:
             raise LeaseLost(
-                f"ack_many: tasks {lost} are no longer held by these leases (swept, claimed "
-                f"again, cancelled or already concluded); the other {len(acked)} were acked"
+                f"{action}: tasks {lost} are no longer held by these leases (swept, claimed "
+                f"again, cancelled or already concluded); the other {len(acked)} were "
+                f"acked{then}"
             )
-        return sorted(acked)
 
     def purge(
         self,

@@ -184,15 +184,24 @@ def run_worker(
         outage = _Outage(log, poll_interval)
         unfinished: _Unfinished | None = None
         waiting = False
-        while not shutdown.requested.is_set():
+        # The next task, claimed by the statement that acked the last one.
+        claimed: Lease | None = None
+
+        def wants_next() -> bool:
+            more = max_tasks is None or summary.total + 1 < max_tasks
+            return more and not shutdown.requested.is_set()
+
+        while not shutdown.requested.is_set() or claimed is not None:
             if max_tasks is not None and summary.total >= max_tasks:
                 break
             try:
                 if unfinished is not None:
                     unfinished = unfinished.give_back()
-                lease = queue.claim(
-                    queue=queue_name, worker_id=worker_id, lease_seconds=lease_seconds
-                )
+                lease, claimed = claimed, None
+                if lease is None:
+                    lease = queue.claim(
+                        queue=queue_name, worker_id=worker_id, lease_seconds=lease_seconds
+                    )
             except DatabaseUnavailable as exc:
                 shutdown.wait(outage.failed(exc))
                 continue
@@ -212,32 +221,45 @@ def run_worker(
                 # back, without using up one of its attempts.
                 summary.add(_release(lease, log))
                 break
-            outcome = _process(lease, work, shutdown, log)
+            outcome, claimed = _process(lease, work, shutdown, log, wants_next, lease_seconds)
             summary.add(outcome)
             if outcome == "unreachable" and not lease.finished:
                 unfinished = _Unfinished(lease, log)
     return summary
 
 
-def _process(lease: Lease, handler: Handler, shutdown: _Shutdown, log: Log) -> str:
-    """Run the handler on one claimed task inside ``with lease:``; return the outcome."""
+def _process(
+    lease: Lease,
+    handler: Handler,
+    shutdown: _Shutdown,
+    log: Log,
+    wants_next: Callable[[], bool],
+    lease_seconds: float | None,
+) -> tuple[str, Lease | None]:
+    """Run the handler on one claimed task inside ``with lease:``; return the outcome,
+    and the next task when the worker wants one and the ack could claim it."""
     log.info("task %s started (attempt %s of %s)", lease.task_id, lease.attempt, lease.max_attempts)
     started = time.monotonic()
+    claimed: Lease | None = None
     try:
         # `with lease` renews in the background and fails the task if the block raises.
         with lease:
             result = shutdown.run_handler(handler, lease)
-            if not lease.finished:  # the handler may have concluded it (an attempt acks)
+            # The handler may have concluded it (an attempt acks).
+            if not lease.finished and wants_next():
+                # One statement and one commit: this ack, and the next task's claim.
+                claimed = lease.ack_and_claim(result, lease_seconds=lease_seconds)
+            elif not lease.finished:
                 lease.ack(result)
     except _Aborted:
         log.warning("task %s released for another worker", lease.task_id)
-        return "released"
+        return "released", None
     except LeaseLost as exc:
         log.warning("task %s: %s", lease.task_id, exc)
-        return "lost"
+        return "lost", None
     except DatabaseUnavailable as exc:
         log.warning("task %s interrupted: %s", lease.task_id, exc)
-        return "unreachable"
+        return "unreachable", None
     except Exception as exc:
         ending = "now dead" if lease.attempt >= lease.max_attempts else "will be retried"
         log.error(
@@ -250,9 +272,9 @@ def _process(lease: Lease, handler: Handler, shutdown: _Shutdown, log: Log) -> s
             exc,
             exc_info=not isinstance(exc, LeaseQueueError),
         )
-        return "failed"
+        return "failed", None
     log.info("task %s done in %.2f s", lease.task_id, time.monotonic() - started)
-    return "done"
+    return "done", claimed
 
 
 def _release(lease: Lease, log: Log) -> str:

@@ -122,6 +122,35 @@ def fill_tasks(conn: psycopg.Connection[Any], count: int, status: str = "enqueue
     return int(row[0]) if row and row[0] is not None else 0
 
 
+# The seed's own table: the columns its statements name, and an index only for its claim
+# (plus the key its ack looks rows up by), in place of the package's tasks table.
+LEAN_TASKS = """
+    CREATE TABLE tasks (
+        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        queue text NOT NULL,
+        status text NOT NULL DEFAULT 'enqueued',
+        priority integer NOT NULL DEFAULT 0,
+        run_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+        lease_expires_at timestamptz
+    )
+"""
+LEAN_CLAIM_INDEX = """
+    CREATE INDEX tasks_claim_idx ON tasks (queue, priority DESC, run_at, id)
+        WHERE status = 'enqueued'
+"""
+
+
+def fill_lean_tasks(conn: psycopg.Connection[Any], count: int) -> None:
+    """Put ``count`` tasks in a table of the seed's shape, replacing the package's tasks."""
+    conn.execute("DROP TABLE tasks CASCADE")
+    conn.execute(LEAN_TASKS)
+    conn.execute(LEAN_CLAIM_INDEX)
+    conn.execute(
+        "INSERT INTO tasks (queue) SELECT 'default' FROM generate_series(1, %(count)s)",
+        {"count": count},
+    )
+
+
 def expire_leases(conn: psycopg.Connection[Any], first_id: int) -> int:
     """Turn every task from ``first_id`` on into a lease that expired a minute ago."""
     return conn.execute(

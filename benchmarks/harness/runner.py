@@ -27,6 +27,7 @@ from benchmarks.harness.db import (
     bench_schema,
     checkpoint,
     connect,
+    fill_lean_tasks,
     fill_tasks,
     open_queue,
     status_counts,
@@ -49,6 +50,12 @@ def fill_no_ops(dsn: str, schema: str, tasks: int) -> None:
     """The drains' usual tasks: no-op rows written in one statement, no package code."""
     with connect(dsn, schema) as conn:
         fill_tasks(conn, tasks)
+
+
+def fill_lean(dsn: str, schema: str, tasks: int) -> None:
+    """The lean baselines' tasks, in a table of the seed's own shape."""
+    with connect(dsn, schema) as conn:
+        fill_lean_tasks(conn, tasks)
 
 
 @dataclass(frozen=True)
@@ -184,6 +191,8 @@ def run_drain(
 ) -> DrainResult:
     """Fill a fresh schema with ``tasks`` tasks (no-op rows unless ``fill`` says otherwise),
     then drain it with ``workers``."""
+    if STRATEGIES[strategy].lean and fill is fill_no_ops:
+        fill = fill_lean
     with bench_schema(dsn, f"drain_{strategy}") as schema:
         fill(dsn, schema, tasks)
         with connect(dsn, schema) as conn:

@@ -160,6 +160,29 @@ class BatchedPackageDrainer(PackageDrainer):
         self.queue.ack_many(claimed)
 
 
+class ChainedPackageDrainer(PackageDrainer):
+    """The worker loop of ``run_worker``: each ack claims the next task in the same
+    statement (``lease.ack_and_claim()``, or ``ack_many_and_claim`` for a batch)."""
+
+    def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
+        super().__init__(dsn, schema, batch, prepared)
+        self._next: list[Lease] = []
+
+    def claim(self) -> list[Lease]:
+        if self._next:
+            claimed, self._next = self._next, []
+            return claimed
+        return super().claim()
+
+    def finish(self, claimed: Sequence[Lease]) -> None:
+        if self.batch > 1:
+            self._next = self.queue.ack_many_and_claim(claimed, limit=self.batch)
+            return
+        (lease,) = claimed
+        following = lease.ack_and_claim()
+        self._next = [] if following is None else [following]
+
+
 class AttemptPackageDrainer(PackageDrainer):
     """The idempotency path on the no-op tasks of the other drains.
 
@@ -236,6 +259,7 @@ class Strategy:
     analysis: bool = False  # splits a cost; not a path users take
     prepared: bool = True
     requires: str | None = None  # a package setting the variant needs
+    lean: bool = False  # on a table of the seed's own shape (db.LEAN_TASKS)
 
     def open(self, dsn: str, schema: str, batch: int) -> Drainer:
         return self.opener(dsn, schema, self.batch_size or batch, self.prepared)
@@ -256,6 +280,18 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("raw_batch", "seed SQL, batch per statement", None, 0, SeedSqlDrainer),
         Strategy("lq_one", "claim() + lease.ack()", "raw_one", 1, PackageDrainer),
         Strategy("lq_batch", "claim_many + ack_many", "raw_batch", 0, BatchedPackageDrainer),
+        Strategy("raw_one_lean", "raw_one, seed-shaped table", None, 1, SeedSqlDrainer, lean=True),
+        Strategy(
+            "raw_batch_lean", "raw_batch, seed-shaped table", None, 0, SeedSqlDrainer, lean=True
+        ),
+        Strategy("lq_chain", "lease.ack_and_claim()", "raw_one_lean", 1, ChainedPackageDrainer),
+        Strategy(
+            "lq_chain_batch",
+            "ack_many_and_claim",
+            "raw_batch_lean",
+            0,
+            ChainedPackageDrainer,
+        ),
         Strategy("lq_attempt", "claim() + attempt(lease)", "lq_one", 1, AttemptPackageDrainer),
         Strategy("lq_one_effect", "lq_one, a row written first", "lq_one", 1, EffectPackageDrainer),
         Strategy(
@@ -287,10 +323,14 @@ STRATEGIES: dict[str, Strategy] = {
 DRAIN_ORDER = (
     "raw_one",
     "raw_batch",
+    "raw_one_lean",
+    "raw_batch_lean",
     "sql_one",
     "sql_batch",
     "lq_one",
     "lq_batch",
+    "lq_chain",
+    "lq_chain_batch",
     "lq_attempt",
     "lq_one_effect",
     "lq_attempt_effect",

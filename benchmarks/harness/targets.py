@@ -43,6 +43,10 @@ def _drain_targets(results: Results) -> list[Target]:
     targets = [versus("lq_batch", "raw_batch", widest, 0.6, "batched path vs raw batch")]
     targets += [versus("lq_one", "raw_one", w, 0.9, "one-at-a-time vs seed SQL") for w in counts]
     targets += [versus("lq_attempt", "lq_one", w, 0.5, "attempts vs one-at-a-time") for w in counts]
+    targets += [
+        versus("lq_chain", "raw_one_lean", widest, 1.3, "worker loop vs lean seed SQL"),
+        versus("lq_chain_batch", "raw_batch_lean", widest, 1.0, "batched loop vs lean batch"),
+    ]
     return targets
 
 

@@ -49,6 +49,26 @@ def test_run_worker_runs_outside_the_main_thread(queue: LeaseQueue) -> None:
     assert queue.stats().counts["enqueued"] == 1
 
 
+def test_run_worker_acks_a_task_and_claims_the_next_in_one_commit(queue: LeaseQueue) -> None:
+    first, second, third = queue.enqueue_many([{"n": n} for n in range(3)])
+    commits: dict[int, int] = {}
+
+    def note_commit(payload: dict[str, Any], lease: Lease) -> None:
+        with queue.connection() as conn:
+            rows = conn.execute(
+                f'SELECT id, xmin::text::bigint FROM "{queue.schema}".tasks WHERE id = ANY(%s)',
+                ([first, second, third],),
+            ).fetchall()
+        commits.update({lease.task_id: dict(rows)[lease.task_id]})
+        if lease.task_id != first:
+            # The transaction that claimed this task is the one that acked the one before.
+            assert dict(rows)[lease.task_id - 1] == dict(rows)[lease.task_id]
+
+    summary = run_worker(queue, note_commit, burst=True)
+    assert summary.outcomes == {"done": 3}
+    assert len(set(commits.values())) == 3
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

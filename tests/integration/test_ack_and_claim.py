@@ -1,0 +1,177 @@
+"""Concluding a task and claiming the next in one statement: ack_and_claim and
+ack_many_and_claim, on plain and controlled queues."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from dagster_leasequeue import ConfigurationError, LeaseLost, LeaseQueue
+
+from ..helpers import expire, run_sql
+
+
+def statuses(queue: LeaseQueue) -> dict[str, int]:
+    return {k: v for k, v in queue.stats().counts.items() if v}
+
+
+def test_ack_and_claim_acks_and_leases_the_next_task_in_claim_order(queue: LeaseQueue) -> None:
+    low = queue.enqueue({"n": "low"})
+    high = queue.enqueue({"n": "high"}, priority=5)
+    other = queue.enqueue({"n": "other queue"}, queue="other")
+    first = queue.claim(worker_id="w1")
+    assert first is not None and first.task_id == high
+    second = first.ack_and_claim({"ok": 1})
+    assert first.finished
+    assert queue.get(high).status == "done" and queue.get(high).result == {"ok": 1}
+    assert second is not None and second.task_id == low
+    assert (second.queue, second.worker_id, second.attempt) == ("default", "w1", 1)
+    assert second.token > first.token
+    assert queue.get(low).status == "processing"
+    # The last one: acked, and nothing to claim.
+    assert second.ack_and_claim() is None
+    assert queue.get(low).status == "done"
+    assert queue.get(other).status == "enqueued"
+
+
+def test_a_zombie_whose_lease_was_swept_gets_lease_lost_and_claims_nothing(
+    queue: LeaseQueue,
+) -> None:
+    stuck = queue.enqueue({"n": 1})
+    waiting = queue.enqueue({"n": 2})
+    zombie = queue.claim(worker_id="zombie")
+    assert zombie is not None and zombie.task_id == stuck
+    expire(queue, stuck)
+    assert [r.task_id for r in queue.sweep()] == [stuck]
+    with pytest.raises(LeaseLost, match="nothing was changed"):
+        zombie.ack_and_claim()
+    assert queue.get(waiting).status == "enqueued"
+    assert queue.get(stuck).status == "enqueued"
+    assert not zombie.finished
+
+
+def test_ack_and_claim_holds_a_concurrency_limit_and_frees_its_slot_for_the_next(
+    queue: LeaseQueue,
+) -> None:
+    for n in range(3):
+        queue.enqueue({"n": n}, concurrency_key="customer-1")
+    queue.enqueue({"n": "other"}, concurrency_key="customer-2")
+    queue.set_concurrency_limit("default", 1)
+    lease = queue.claim()
+    assert lease is not None and lease.payload == {"n": 0}
+    seen = [lease.payload]
+    while (lease := lease.ack_and_claim()) is not None:
+        seen.append(lease.payload)
+        running = run_sql(
+            queue,
+            "SELECT key, running FROM {schema}.flow_keys WHERE running > 0 ORDER BY key",
+        )
+        assert running == [(lease.payload.get("key", _key_of(lease.payload)), 1)]
+    assert sorted(map(str, seen)) == sorted(
+        map(str, [{"n": 0}, {"n": 1}, {"n": 2}, {"n": "other"}])
+    )
+    assert statuses(queue) == {"done": 4}
+    assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
+
+
+def _key_of(payload: dict[str, Any]) -> str:
+    return "customer-2" if payload["n"] == "other" else "customer-1"
+
+
+def test_ack_and_claim_on_a_paused_queue_acks_and_claims_nothing(queue: LeaseQueue) -> None:
+    first = queue.enqueue({"n": 1})
+    queue.enqueue({"n": 2})
+    lease = queue.claim()
+    assert lease is not None
+    queue.pause("default")
+    assert lease.ack_and_claim() is None
+    assert queue.get(first).status == "done"
+    queue.resume("default")
+    assert queue.claim() is not None
+
+
+def test_ack_many_and_claim_acks_a_batch_and_claims_the_next(queue: LeaseQueue) -> None:
+    ids = queue.enqueue_many([{"n": n} for n in range(250)])
+    leases = queue.claim_many(100, worker_id="w")
+    rounds = 0
+    while leases:
+        rounds += 1
+        leases = queue.ack_many_and_claim(
+            leases, [{"n": lease.payload["n"]} for lease in leases], limit=100
+        )
+        assert all(lease.worker_id == "w" for lease in leases)
+    assert rounds == 3
+    assert statuses(queue) == {"done": 250}
+    assert queue.get(ids[7]).result == {"n": 7}
+
+
+def test_ack_many_and_claim_with_a_lost_lease_acks_the_rest_and_claims_nothing(
+    queue: LeaseQueue,
+) -> None:
+    queue.enqueue_many([{"n": n} for n in range(5)])
+    leases = queue.claim_many(3)
+    expire(queue, leases[1].task_id)
+    queue.sweep()
+    with pytest.raises(LeaseLost, match=rf"\[{leases[1].task_id}\].*nothing was claimed"):
+        queue.ack_many_and_claim(leases, limit=10)
+    assert leases[0].finished and leases[2].finished and not leases[1].finished
+    assert statuses(queue) == {"done": 2, "enqueued": 3}
+
+
+def test_ack_many_and_claim_refuses_what_it_cannot_do_and_changes_nothing(
+    queue: LeaseQueue,
+) -> None:
+    queue.enqueue_many([{"n": n} for n in range(4)])
+    queue.enqueue({"n": "x"}, queue="other")
+    leases = queue.claim_many(2) + queue.claim_many(1, queue="other")
+    with pytest.raises(ConfigurationError, match="one queue and one worker"):
+        queue.ack_many_and_claim(leases, limit=5)
+    with pytest.raises(ConfigurationError, match="at least one lease"):
+        queue.ack_many_and_claim([], limit=5)
+    with pytest.raises(ConfigurationError, match="one result per lease"):
+        queue.ack_many_and_claim(leases[:2], [None], limit=5)
+    assert statuses(queue) == {"processing": 3, "enqueued": 2}
+
+
+def test_batch_tasks_acked_by_either_are_counted_and_finish_the_batch(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([{"n": n} for n in range(30)])
+    lease = queue.claim()
+    while lease is not None and lease.payload["n"] < 10:
+        lease = lease.ack_and_claim()
+    leases = [lease] if lease is not None else []
+    while leases:
+        leases = queue.ack_many_and_claim(leases, limit=7)
+    info = queue.batch(batch.id)
+    assert (info.done, info.finished) == (30, True)
+
+
+def test_workers_crossing_keys_never_deadlock_and_keep_counts_right(queue: LeaseQueue) -> None:
+    # Each statement frees a slot of one key and takes one of another: their rows are
+    # written in key order, so two crossing workers cannot each wait for the other.
+    queue.enqueue_many(
+        ({"n": n} for n in range(1200)), concurrency_key=lambda p: f"key-{p['n'] % 3}"
+    )
+    errors: list[BaseException] = []
+
+    def worker(batched: bool) -> None:
+        try:
+            leases = queue.claim_many(5 if batched else 1)
+            while leases:
+                if batched:
+                    leases = queue.ack_many_and_claim(leases, limit=5)
+                else:
+                    nxt = leases[0].ack_and_claim()
+                    leases = [nxt] if nxt is not None else []
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n % 2 == 0,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+    assert statuses(queue) == {"done": 1200}
+    assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
