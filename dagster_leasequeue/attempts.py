@@ -12,6 +12,7 @@ work, so a paused process never holds its replacement up.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,7 +22,14 @@ import psycopg
 from psycopg import errors as pg_errors, pq
 
 from . import sql
-from .connection import CachedConnection, Executor, deallocate_leftovers, reset_session
+from .claims import Row
+from .connection import (
+    CachedConnection,
+    Executor,
+    deallocate,
+    deallocate_leftovers,
+    reset_session,
+)
 from .driver import QueueDriver
 from .errors import (
     ConfigurationError,
@@ -30,7 +38,7 @@ from .errors import (
     TransactionAbandoned,
     describe_error,
 )
-from .lease import Lease
+from .lease import Lease, leases_from_rows
 from .validation import check_key
 
 logger = logging.getLogger(__name__)
@@ -45,7 +53,9 @@ class Attempt:
     success's result). ``connection``: write effects through it, inside the attempt's
     transaction. Set ``result`` to store a JSON object with the success (and the ack).
     ``key`` is the caller's key or the task's idempotency key (None for a task without
-    one); ``queue`` is the task's queue, None for a key the caller chose.
+    one); ``queue`` is the task's queue, None for a key the caller chose. ``claimed``: with
+    ``claim_next``, the next task of the lease's queue once the attempt has concluded (None
+    when none was due, or the attempt did not succeed).
     """
 
     def __init__(
@@ -68,6 +78,7 @@ class Attempt:
         self.result = result
         self.abandoned = abandoned
         self.connection = connection
+        self.claimed: Lease | None = None
 
     def __repr__(self) -> str:
         return (
@@ -127,6 +138,8 @@ def run_attempt(
     lease: Lease | None,
     worker_id: str,
     idle_timeout: float,
+    claim_next: bool = False,
+    next_lease_seconds: float | None = None,
 ) -> Iterator[Attempt]:
     """The attempt's life on one kept autocommit connection; see :meth:`LeaseQueue.attempt`.
 
@@ -138,6 +151,10 @@ def run_attempt(
     lock. A session left idle in that transaction for ``idle_timeout`` seconds (a paused
     process) is ended by the server, releasing whatever rows it locked for the worker that
     took its place.
+
+    With ``claim_next`` (and a lease), the round trip that concludes the attempt also claims
+    the next task of the lease's queue, for its worker, in a commit of its own after the
+    attempt's: a conclusion that fails claims nothing.
     """
     # The session is reset when the attempt ends: by its commit, else in the finally below.
     conn = cached.conn
@@ -166,14 +183,49 @@ def run_attempt(
             connection=conn,
         )
         conn.attempt_settings = _attempt_settings(idle_timeout)
-        session_reset = yield from _run(cached, driver, attempt, lease)
+        claim = None
+        if claim_next and lease is not None:
+            claim = _NextClaim(driver, lease, next_lease_seconds)
+        session_reset = yield from _run(cached, driver, attempt, lease, claim)
+        if claim is not None and claim.succeeded and lease is not None:
+            attempt.claimed = lease.next_lease = claim.lease(cached)
     finally:
         if not session_reset:
             reset_session(conn)
 
 
+class _NextClaim:
+    """The claim a conclusion carries (``claim_next``), and what it answered."""
+
+    def __init__(self, driver: QueueDriver, lease: Lease, lease_seconds: float | None) -> None:
+        self._driver = driver
+        self._queue = lease.queue
+        self._worker_id = lease.worker_id or ""
+        self.params = driver.claims.params(self._queue, self._worker_id, lease_seconds)
+        self.statement, self._plain = driver.claims.statement(self._queue, 1)
+        self.sent = 0.0
+        self.rows: list[Row] = []
+        self.succeeded = False
+
+    def lease(self, cached: CachedConnection) -> Lease | None:
+        """The claimed task's lease; a plain claim that found nothing asks once more whether
+        the queue is controlled (on the attempt's connection, its session reset)."""
+        rows = self.rows
+        if not rows and self._plain:
+            with self._driver.errors:
+                rows = self._driver.claims.claim_if_controlled(cached, 1, self.params)
+        leases = leases_from_rows(
+            self._driver, rows, queue=self._queue, worker_id=self._worker_id, sent=self.sent
+        )
+        return leases[0] if leases else None
+
+
 def _run(
-    cached: CachedConnection, driver: QueueDriver, attempt: Attempt, lease: Lease | None
+    cached: CachedConnection,
+    driver: QueueDriver,
+    attempt: Attempt,
+    lease: Lease | None,
+    claim: _NextClaim | None,
 ) -> Generator[Attempt, None, bool]:
     """The work's transaction and how it ends; True when its commit also reset the session."""
     conn = cached.conn
@@ -190,7 +242,7 @@ def _run(
                 script = sql.CONCLUDE_EMPTY_ATTEMPT
             else:
                 script = sql.CONCLUDE_ATTEMPT
-            _conclude(cached, driver, script, attempt, lease, encoded)
+            _conclude(cached, driver, script, attempt, lease, encoded, claim)
             session_reset = True
         except BaseException:
             _rollback(conn)
@@ -222,6 +274,8 @@ def _run(
         raise
     if lease is not None:
         lease._mark_acked()
+    if claim is not None and session_reset:
+        claim.succeeded = True
     return session_reset
 
 
@@ -246,20 +300,27 @@ def _conclude(
     attempt: Attempt,
     lease: Lease | None,
     encoded_result: str | None,
+    claim: _NextClaim | None,
 ) -> None:
-    """The success mark, the lease's fenced ack, the commit and the session's reset.
+    """The success mark, the lease's fenced ack, the commit and the session's reset, and
+    the next claim with ``claim``.
 
     One round trip (``script``: see sql.CONCLUDE_ATTEMPT); the commit happens only if the
-    mark and the ack both went through.
+    mark and the ack both went through, and the claim only after it.
     """
-    params = {
+    params: dict[str, Any] = {
         "attempt_id": None if attempt.duplicate else attempt.id,
         "task_id": lease.task_id if lease else None,
         "token": lease.token if lease else None,
         "result": encoded_result,
     }
+    text = driver.statement(script)
+    if claim is not None:
+        text = sql.with_next_claim(text, claim.statement)
+        params |= claim.params
+        claim.sent = time.monotonic()
     try:
-        cursor = cached.execute_script(driver.statement(script), params)
+        cursor = cached.execute_script(text, params)
     except psycopg.Error as exc:
         # Only the success index means another attempt won; the caller's own unique
         # constraints (deferred ones fail at COMMIT) are errors like any other.
@@ -277,9 +338,23 @@ def _conclude(
             raise
     # Committed: a failure to drop what the borrower PREPAREd only costs the connection.
     try:
-        deallocate_leftovers(cursor)
+        if claim is None:
+            deallocate_leftovers(cursor)
+        else:
+            *_, claim.rows, (reset,) = _result_rows(cursor)
+            deallocate(cached.conn, reset[-1])
     except psycopg.Error:
         cached.conn.close()  # the pool discards a closed connection
+
+
+def _result_rows(cursor: psycopg.Cursor[Any]) -> list[list[Row]]:
+    """The rows of each statement of a script that returned rows, in order."""
+    results = []
+    while True:
+        if cursor.description is not None:
+            results.append(cursor.fetchall())
+        if not cursor.nextset():
+            return results
 
 
 def _adopt_success(

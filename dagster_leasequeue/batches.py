@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 
 from . import sql
+from .bulk import copy_tasks
 from .driver import QueueDriver
 from .errors import BatchNotFound, ConfigurationError
 from .flow import ConcurrencyKey, encode_payloads
@@ -23,16 +24,10 @@ from .models import STATUSES, Batch, BatchInfo, TaskResult
 from .notify import Listener
 from .validation import check_key
 
-# Rows sent to COPY per write, and payloads per statement when keys make COPY unusable.
-COPY_ROWS_PER_WRITE = 2000
+# Payloads per statement when idempotency keys make COPY unusable.
 KEYED_ROWS_PER_STATEMENT = 1000
 # Rows fetched per page by batch_results' server-side cursor.
 RESULTS_PAGE = 1000
-
-# COPY's text format: a backslash starts an escape, and tab and newline end a field and a
-# row. A payload's JSON never holds a raw tab, newline or carriage return (json.dumps
-# escapes them in strings), only backslashes; a queue name may hold anything.
-_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 
 
 def enqueue_batch(
@@ -67,7 +62,8 @@ def enqueue_batch(
         }
         max_bytes = driver.settings.payload_max_bytes
         if idempotency_keys is None:
-            total = _copy_tasks(conn, driver, payloads, columns, max_bytes)
+            encoded = encode_payloads(payloads, concurrency_key, max_bytes)
+            total = copy_tasks(conn, driver, encoded, columns)
         else:
             total = _insert_keyed_tasks(
                 conn, driver, payloads, idempotency_keys, columns, max_bytes
@@ -76,36 +72,6 @@ def enqueue_batch(
         if total and notify["notify"]:
             conn.execute(sql.NOTIFY, {"channel": notify["channel"], "payload": queue})
     return Batch(batch_id, name, queue, total, created_at)
-
-
-def _copy_tasks(
-    conn: psycopg.Connection[Any],
-    driver: QueueDriver,
-    payloads: Iterable[Mapping[str, Any]],
-    columns: Mapping[str, Any],
-    max_bytes: int,
-) -> int:
-    """Stream the tasks through COPY, a few thousand rows per write: memory stays flat."""
-    # Every column but the payload and the concurrency key is the same on every row.
-    before = columns["queue"].translate(_COPY_ESCAPES) + "\t" + str(columns["priority"]) + "\t"
-    middle = "\t" + str(columns["max_attempts"]) + "\t" + str(columns["batch_id"]) + "\t"
-    encoded = encode_payloads(payloads, columns["concurrency_key"], max_bytes)
-    total = 0
-    with conn.cursor().copy(driver.statement(sql.COPY_BATCH_TASKS)) as copy:
-        while chunk := list(islice(encoded, COPY_ROWS_PER_WRITE)):
-            copy.write(
-                "".join(
-                    before + text.replace("\\", "\\\\") + middle + _copy_text(key) + "\n"
-                    for text, key in chunk
-                ).encode()
-            )
-            total += len(chunk)
-    return total
-
-
-def _copy_text(value: str | None) -> str:
-    """A text column in COPY's text format: escaped, or \\N for NULL."""
-    return "\\N" if value is None else value.translate(_COPY_ESCAPES)
 
 
 def _insert_keyed_tasks(

@@ -46,11 +46,16 @@ class Claims:
 
     def claim(self, conn: CachedConnection, limit: int, params: Mapping[str, Any]) -> list[Row]:
         """Claim up to ``limit`` tasks of ``params['queue']``; the statement's rows."""
-        schema, queue = self._driver.schema, params["queue"]
+        statement, plain = self.statement(params["queue"], limit)
+        rows = conn.execute(statement, params).fetchall()
+        return rows or (self.claim_if_controlled(conn, limit, params) if plain else [])
+
+    def statement(self, queue: str, limit: int) -> tuple[str, bool]:
+        """The statement that claims ``queue`` now, and whether it is the plain one (whose
+        empty answer calls for :meth:`claim_if_controlled`)."""
         if self._is_controlled(queue):
-            return conn.execute(sql.compose_claim_flow(schema, limit), params).fetchall()
-        rows = conn.execute(sql.compose_claim(schema, limit), params).fetchall()
-        return rows or self._claim_if_controlled(conn, limit, params)
+            return sql.compose_claim_flow(self._driver.schema, limit), False
+        return sql.compose_claim(self._driver.schema, limit), True
 
     def ack_and_claim(
         self,
@@ -81,7 +86,7 @@ class Claims:
         claimed = [row for row in rows if row[1] is not None]
         if claimed or len(acked) < leases:
             return acked, claimed
-        return acked, self._claim_if_controlled(conn, limit, params)
+        return acked, self.claim_if_controlled(conn, limit, params)
 
     def _ack(self, conn: CachedConnection, acks: Mapping[str, Any], many: bool) -> set[int]:
         if not many:
@@ -93,7 +98,7 @@ class Claims:
     def _is_controlled(self, queue: str) -> bool:
         return self._controlled.get(queue, 0.0) > time.monotonic()
 
-    def _claim_if_controlled(
+    def claim_if_controlled(
         self, conn: CachedConnection, limit: int, params: Mapping[str, Any]
     ) -> list[Row]:
         """After a plain claim found nothing: claim_flow's rows if the queue is controlled."""

@@ -600,9 +600,12 @@ def deallocate_leftovers(cursor: psycopg.Cursor[Any]) -> None:
     while cursor.nextset():
         pass
     row = cursor.fetchone()
-    names: list[str] = row[-1] if row else []
+    deallocate(cursor.connection, row[-1] if row else [])
+
+
+def deallocate(conn: psycopg.Connection[Any], names: list[str]) -> None:
+    """Drop the prepared statements ``names`` (RESET_SESSION's last column), if any."""
     if names:
-        conn = cursor.connection
         conn.execute(
             "; ".join(f"DEALLOCATE {pg_sql.Identifier(name).as_string(None)}" for name in names),
             prepare=False,

@@ -36,9 +36,15 @@ def encode_payloads(
     payloads: Iterable[Mapping[str, Any]], concurrency_key: ConcurrencyKey, max_bytes: int
 ) -> Iterator[tuple[str, str | None]]:
     """Each payload's JSON text and its concurrency key, checked, in the payloads' order."""
+    if callable(concurrency_key):
+        for index, payload in enumerate(payloads):
+            text = encode_object(payload, what=f"payload #{index}", max_bytes=max_bytes)
+            yield text, key_of(concurrency_key, payload, index)
+        return
+    # One key for every payload: checked once.
+    key = check_key(concurrency_key, "concurrency_key")
     for index, payload in enumerate(payloads):
-        text = encode_object(payload, what=f"payload #{index}", max_bytes=max_bytes)
-        yield text, key_of(concurrency_key, payload, index)
+        yield encode_object(payload, what=f"payload #{index}", max_bytes=max_bytes), key
 
 
 def _changed(

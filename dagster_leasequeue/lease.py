@@ -76,6 +76,10 @@ class Lease:
         # Set by the renewal thread, read by the worker; a plain attribute suffices.
         self._lost = False
         self._renewer: _Renewer | None = None
+        # Set by want_next(): the conclusion also claims the next task (see next_lease).
+        self._wants_next = False
+        self._next_lease_seconds: float | None = None
+        self.next_lease: Lease | None = None
         # The lease's end on this machine's monotonic clock, counted from before the claim
         # or renewal was sent, so never later than the database's own expiry.
         self._local_deadline = claimed_at + lease_seconds
@@ -116,8 +120,36 @@ class Lease:
 
     # -- fenced operations -----------------------------------------------------------------
 
+    @property
+    def wants_next(self) -> bool:
+        """True once :meth:`want_next` asked this lease's conclusion to claim the next task."""
+        return self._wants_next
+
+    @property
+    def next_lease_seconds(self) -> float | None:
+        """The length :meth:`want_next` asked of the next task's lease (None: its own)."""
+        return self._next_lease_seconds
+
+    def want_next(self, wanted: bool = True, *, lease_seconds: float | None = None) -> None:
+        """Have this lease's conclusion also claim the next task of its queue, for its
+        worker, in the same round trip: :meth:`ack` then works as :meth:`ack_and_claim`,
+        and an attempt on this lease as ``attempt(lease=..., claim_next=True)``. The new
+        lease (or None, when no task was due) is then :attr:`next_lease`.
+
+        ``run_worker`` asks this of every task while it wants another, and takes it back
+        (``want_next(False)``) when told to stop while the task runs.
+        """
+        self._next_lease_seconds = check_lease_seconds(lease_seconds)
+        self._wants_next = wanted
+
     def ack(self, result: dict[str, Any] | None = None) -> None:
-        """Mark the task done, storing ``result``; raise LeaseLost if the lease is gone."""
+        """Mark the task done, storing ``result``; raise LeaseLost if the lease is gone.
+
+        After :meth:`want_next`, the same statement claims the next task: see there.
+        """
+        if self._wants_next:
+            self.ack_and_claim(result, lease_seconds=self._next_lease_seconds)
+            return
         encoded = self._driver.encode_result(result)
         with self._driver.statements() as conn, self._lock:
             self._refuse_if_finished("ack")
@@ -149,7 +181,8 @@ class Lease:
         leases = leases_from_rows(
             self._driver, rows, queue=self.queue, worker_id=self.worker_id or "", sent=sent
         )
-        return leases[0] if leases else None
+        self.next_lease = leases[0] if leases else None
+        return self.next_lease
 
     def _ack_on(self, conn: Executor, encoded_result: str | None) -> None:
         """Run the fenced ack on ``conn``, inside the caller's transaction if it has one.

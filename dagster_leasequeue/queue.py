@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime
@@ -16,7 +16,13 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from . import batches as batch_module, flow as flow_module, schema as schema_module, sql
+from . import (
+    batches as batch_module,
+    bulk,
+    flow as flow_module,
+    schema as schema_module,
+    sql,
+)
 from .attempts import Attempt, AttemptTarget, attempt_target, run_attempt
 from .connection import reset_session
 from .driver import QueueDriver
@@ -64,6 +70,9 @@ logger = logging.getLogger(__name__)
 # An idempotent enqueue can race with the task it collides with finishing; a retry settles it.
 _ENQUEUE_RETRIES = 5
 _POLL_SECONDS = 1.0
+# enqueue_many calls with more tasks than this stream them through COPY: a statement's
+# arrays of payloads cost more to send and unpack than COPY's rows.
+COPY_FROM_TASKS = 1000
 
 
 class LeaseQueue:
@@ -233,28 +242,48 @@ class LeaseQueue:
         max_attempts: int | None = None,
         concurrency_key: ConcurrencyKey = None,
     ) -> list[int]:
-        """Add many tasks in one statement; return their ids in the payloads' order.
+        """Add many tasks, all or none; return their ids in the payloads' order.
 
-        Every payload is checked before anything is written: one bad payload stores none.
+        Every payload is checked before the call commits: one bad payload stores none.
         ``concurrency_key`` is one key for every task, or a function of each payload that
-        returns its key (or None).
+        returns its key (or None). A few go in one statement; more than
+        ``COPY_FROM_TASKS`` stream through COPY, in one transaction.
         """
-        limit = self.settings.payload_max_bytes
-        rows = list(encode_payloads(payloads, concurrency_key, limit))
-        if not rows:
-            return []
-        encoded, keys = (list(column) for column in zip(*rows, strict=True))
-        params = {
+        columns = {
             "queue": check_queue(queue),
             "priority": check_priority(priority),
             "max_attempts": self._max_attempts(max_attempts),
-            "payloads": encoded,
-            "keys": keys,
-        } | self._notify
+        }
+        items = payloads if isinstance(payloads, Collection) else list(payloads)
+        encoded_rows = encode_payloads(items, concurrency_key, self.settings.payload_max_bytes)
+        if len(items) > COPY_FROM_TASKS:
+            return self._copy_many(encoded_rows, len(items), columns)
+        rows = list(encoded_rows)
+        if not rows:
+            return []
+        encoded, keys = (list(column) for column in zip(*rows, strict=True))
+        params = columns | {"payloads": encoded, "keys": keys} | self._notify
         with self._driver.statements() as conn:
             rows = conn.execute(self._driver.statement(sql.ENQUEUE_MANY), params).fetchall()
         # Identity values are drawn in the order the rows were inserted.
         return sorted(int(row[0]) for row in rows)
+
+    def _copy_many(
+        self, rows: Iterator[tuple[str, str | None]], count: int, columns: dict[str, Any]
+    ) -> list[int]:
+        """enqueue_many's ``count`` tasks through COPY, under ids drawn for them first.
+
+        Each payload is encoded as COPY sends it, so the server writes while the client
+        encodes; one that fails its check rolls the whole call back.
+        """
+        with self._driver.connection() as conn, conn.transaction():
+            ids = bulk.reserve_ids(conn, self._driver, count)
+            bulk.copy_tasks(conn, self._driver, rows, columns | {"batch_id": None}, iter(ids))
+            if self.settings.notify:
+                conn.execute(
+                    sql.NOTIFY, {"channel": self._notify["channel"], "payload": columns["queue"]}
+                )
+        return ids
 
     # -- batches ---------------------------------------------------------------------------
 
@@ -802,6 +831,8 @@ class LeaseQueue:
         *,
         lease: Lease | None = None,
         worker_id: str | None = None,
+        claim_next: bool = False,
+        next_lease_seconds: float | None = None,
     ) -> Iterator[Attempt]:
         """Do a piece of work at most once per key, its effects and its ack in one transaction.
 
@@ -822,7 +853,20 @@ class LeaseQueue:
                     if not attempt.duplicate:
                         attempt.connection.execute("INSERT INTO results ...")
                         attempt.result = {"rows": 1}
+
+        With ``claim_next=True`` (and a lease), the round trip that concludes the attempt
+        also claims the next task of the lease's queue for its worker, in a commit after
+        the attempt's; after the block, ``attempt.claimed`` holds its lease (None when no
+        task was due or the attempt did not conclude). ``next_lease_seconds`` is that
+        lease's length, as ``lease_seconds`` is a claim's. A lease whose ``want_next()``
+        was called concludes this way without being told.
         """
+        if claim_next and lease is None:
+            raise ConfigurationError("attempt(claim_next=True) needs a lease")
+        if lease is not None and lease.wants_next:
+            claim_next = True
+            if next_lease_seconds is None:
+                next_lease_seconds = lease.next_lease_seconds
         target = attempt_target(key, lease)
         if lease is not None:
             lease.raise_if_lost()
@@ -836,6 +880,8 @@ class LeaseQueue:
                 lease=lease,
                 worker_id=worker,
                 idle_timeout=max(lease.lease_seconds if lease else self.settings.lease_seconds, 2),
+                claim_next=claim_next,
+                next_lease_seconds=check_lease_seconds(next_lease_seconds),
             ) as attempt,
         ):
             yield attempt

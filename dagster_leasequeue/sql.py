@@ -685,10 +685,20 @@ CREATE_BATCH_STRIPES = (
     "INSERT INTO {schema}.batch_counts (batch_id, stripe)"
     " SELECT %(batch_id)s, generate_series(0, " + str(BATCH_STRIPES - 1) + ")"
 )
-COPY_BATCH_TASKS = (
-    "COPY {schema}.tasks (queue, priority, payload, max_attempts, batch_id, concurrency_key)"
-    " FROM STDIN"
-)
+# See bulk.py: tasks written through COPY, with ids drawn beforehand when the caller
+# returns them (an identity column takes the values COPY is given).
+_COPIED_COLUMNS = "queue, priority, payload, max_attempts, batch_id, concurrency_key) FROM STDIN"
+COPY_TASKS = "COPY {schema}.tasks (" + _COPIED_COLUMNS
+COPY_TASKS_WITH_IDS = "COPY {schema}.tasks (id, " + _COPIED_COLUMNS
+# The ids, drawn in one statement, are one run of numbers unless another session drew some
+# meanwhile: then (only then) the list comes back whole.
+RESERVE_TASK_IDS = """
+    WITH drawn AS (
+        SELECT nextval({task_ids}::regclass) AS id FROM generate_series(1, %(count)s)
+    )
+    SELECT min(id), CASE WHEN max(id) - min(id) + 1 <> count(*) THEN array_agg(id) END
+    FROM drawn
+"""
 # With idempotency keys: a key an unfinished task of the queue holds is skipped, as
 # enqueue skips it; the batch counts only the tasks it added.
 ENQUEUE_BATCH_KEYED = """
@@ -893,6 +903,10 @@ CONCLUDE_ATTEMPT = _CONCLUDE + "COMMIT; " + RESET_SESSION
 # When the work ran no statement there is no transaction to commit: the simple query is
 # one implicit transaction, committed when it ends, and no BEGIN is needed before it.
 CONCLUDE_EMPTY_ATTEMPT = _CONCLUDE + RESET_SESSION
+# With claim_next, the next claim rides in the same script: after the session's settings
+# and role are reset, so that it runs as the package's own statements do, and before the
+# reset's last SELECT, whose row (what is left to deallocate) stays the script's last.
+_RESET_LAST = " SELECT pg_advisory_unlock_all(),"
 LEASE_GONE = "LQ001"
 # The unique index that allows one success per key.
 SUCCESS_INDEX = "attempts_success_idx"
@@ -900,6 +914,12 @@ SUCCESS_INDEX = "attempts_success_idx"
 # A statement that does nothing: on a connection out of autocommit, psycopg sends the
 # transaction's BEGIN before it.
 NO_OP = "SELECT 1"
+
+
+def with_next_claim(script: str, claim: str) -> str:
+    """A rendered CONCLUDE_ATTEMPT or CONCLUDE_EMPTY_ATTEMPT that also runs ``claim``."""
+    head, reset_last, tail = script.rpartition(_RESET_LAST)
+    return f"{head} {claim.strip()};{reset_last}{tail}"
 
 
 def listen_statement(schema: str) -> str:
@@ -956,6 +976,7 @@ def _render(template: str, schema: str, **extra: sql.Composable) -> str:
         .format(
             schema=sql.Identifier(schema),
             lease_tokens=sql.Literal(sql.Identifier(schema, "lease_tokens").as_string(None)),
+            task_ids=sql.Literal(sql.Identifier(schema, "tasks_id_seq").as_string(None)),
             **extra,
         )
         .as_string(None)

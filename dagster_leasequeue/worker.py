@@ -240,16 +240,15 @@ def _process(
     and the next task when the worker wants one and the ack could claim it."""
     log.info("task %s started (attempt %s of %s)", lease.task_id, lease.attempt, lease.max_attempts)
     started = time.monotonic()
-    claimed: Lease | None = None
+    if wants_next():
+        # The ack (or the handler's attempt) claims the next task in the same round trip.
+        lease.want_next(lease_seconds=lease_seconds)
     try:
         # `with lease` renews in the background and fails the task if the block raises.
         with lease:
             result = shutdown.run_handler(handler, lease)
-            # The handler may have concluded it (an attempt acks).
-            if not lease.finished and wants_next():
-                # One statement and one commit: this ack, and the next task's claim.
-                claimed = lease.ack_and_claim(result, lease_seconds=lease_seconds)
-            elif not lease.finished:
+            if not lease.finished:  # the handler may have concluded it (an attempt acks)
+                lease.want_next(wants_next(), lease_seconds=lease_seconds)
                 lease.ack(result)
     except _Aborted:
         log.warning("task %s released for another worker", lease.task_id)
@@ -274,7 +273,7 @@ def _process(
         )
         return "failed", None
     log.info("task %s done in %.2f s", lease.task_id, time.monotonic() - started)
-    return "done", claimed
+    return "done", lease.next_lease
 
 
 def _release(lease: Lease, log: Log) -> str:

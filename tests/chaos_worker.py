@@ -1,8 +1,11 @@
 """A worker process for the fault-injection tests, started with ``python -m tests.chaos_worker``.
 
 Modes:
-- ``drain``: claim, work through an attempt (writing one row to ``effects``), repeat; a
-  payload with ``"poison": true`` kills the process (``os._exit``) mid-attempt.
+- ``drain``: claim, work through an attempt (writing one row to ``effects``) whose
+  conclusion claims the next task, repeat; a payload with ``"poison": true`` kills the
+  process (``os._exit``) mid-attempt.
+- ``loop``: ``run_worker``, whose acks claim the next task, an effect written before each
+  ack (at least once).
 - ``zombie``: claim one task, write its effect inside an attempt, print ``HOLDING <id>``,
   wait ``--hold`` seconds (the test pauses the process meanwhile), then try to commit,
   renew and ack, and print what each raised as JSON.
@@ -27,6 +30,7 @@ from dagster_leasequeue import (
     LeaseQueue,
     LeaseQueueError,
     LeaseQueueSettings,
+    run_worker,
 )
 
 
@@ -40,21 +44,43 @@ def write_effect(attempt_connection: Any, schema: str, lease: Lease) -> None:
 
 
 def drain(queue: LeaseQueue, args: argparse.Namespace) -> None:
+    # Each attempt's conclusion claims the next task in the same round trip, as a worker
+    # loop does; a claim of its own only when that found none.
+    lease: Lease | None = None
     while True:
         try:
-            lease = queue.claim(lease_seconds=args.lease)
+            if lease is None:
+                lease = queue.claim(lease_seconds=args.lease)
             if lease is None:
                 time.sleep(0.02)
                 continue
-            with lease, queue.attempt(lease=lease) as attempt:
-                if attempt.duplicate:
-                    continue
-                if lease.payload.get("poison"):
-                    os._exit(17)
-                time.sleep(random.uniform(args.work_min, args.work_max))
-                write_effect(attempt.connection, queue.schema, lease)
+            with (
+                lease,
+                queue.attempt(
+                    lease=lease, claim_next=True, next_lease_seconds=args.lease
+                ) as attempt,
+            ):
+                if not attempt.duplicate:
+                    if lease.payload.get("poison"):
+                        os._exit(17)
+                    time.sleep(random.uniform(args.work_min, args.work_max))
+                    write_effect(attempt.connection, queue.schema, lease)
+            lease = attempt.claimed
         except (LeaseLost, DatabaseUnavailable):
+            lease = None
             time.sleep(0.05)
+
+
+def loop(queue: LeaseQueue, args: argparse.Namespace) -> None:
+    """run_worker's loop (each ack claims the next task), the effect written before the ack
+    on a connection of its own: at least once."""
+
+    def handle(payload: dict[str, Any], lease: Lease) -> None:
+        time.sleep(random.uniform(args.work_min, args.work_max))
+        with queue.connection() as conn:
+            write_effect(conn, queue.schema, lease)
+
+    run_worker(queue, handle, lease_seconds=args.lease, poll_interval=0.05)
 
 
 def outcome(action: Any) -> str:
@@ -84,7 +110,7 @@ def zombie(queue: LeaseQueue, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["drain", "zombie"])
+    parser.add_argument("mode", choices=["drain", "loop", "zombie"])
     parser.add_argument("--dsn", required=True)
     parser.add_argument("--schema", required=True)
     parser.add_argument("--lease", type=float, default=1.0)
@@ -94,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = LeaseQueueSettings(pool_size=2, connect_timeout=2, _env_file=None)
     with LeaseQueue(args.dsn, schema=args.schema, settings=settings) as queue:
-        {"drain": drain, "zombie": zombie}[args.mode](queue, args)
+        {"drain": drain, "loop": loop, "zombie": zombie}[args.mode](queue, args)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,17 @@ class ChainedPackageDrainer(PackageDrainer):
         self._next = [] if following is None else [following]
 
 
+class ChainedAttemptDrainer(ChainedPackageDrainer):
+    """The worker loop through attempts: each attempt's conclusion claims the next task
+    (``attempt(lease=..., claim_next=True)``), nothing written inside, as ``lq_attempt``."""
+
+    def finish(self, claimed: Sequence[Lease]) -> None:
+        (lease,) = claimed
+        with self.queue.attempt(lease=lease, claim_next=True) as attempt:
+            pass
+        self._next = [] if attempt.claimed is None else [attempt.claimed]
+
+
 class AttemptPackageDrainer(PackageDrainer):
     """The idempotency path on the no-op tasks of the other drains.
 
@@ -292,6 +303,9 @@ STRATEGIES: dict[str, Strategy] = {
             0,
             ChainedPackageDrainer,
         ),
+        Strategy(
+            "lq_chain_attempt", "attempt(claim_next=True)", "lq_chain", 1, ChainedAttemptDrainer
+        ),
         Strategy("lq_attempt", "claim() + attempt(lease)", "lq_one", 1, AttemptPackageDrainer),
         Strategy("lq_one_effect", "lq_one, a row written first", "lq_one", 1, EffectPackageDrainer),
         Strategy(
@@ -331,6 +345,7 @@ DRAIN_ORDER = (
     "lq_batch",
     "lq_chain",
     "lq_chain_batch",
+    "lq_chain_attempt",
     "lq_attempt",
     "lq_one_effect",
     "lq_attempt_effect",

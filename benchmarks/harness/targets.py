@@ -46,6 +46,7 @@ def _drain_targets(results: Results) -> list[Target]:
     targets += [
         versus("lq_chain", "raw_one_lean", widest, 1.3, "worker loop vs lean seed SQL"),
         versus("lq_chain_batch", "raw_batch_lean", widest, 1.0, "batched loop vs lean batch"),
+        versus("lq_chain_attempt", "lq_chain", widest, 0.8, "attempts in the worker loop"),
     ]
     return targets
 
@@ -108,15 +109,21 @@ def _batch_targets(results: Results) -> list[Target]:
     as the issue states it (the run's SELECT 1 is given beside it, not divided by)."""
     batches = results.batches
     config = results.config
-    enqueue = batches.enqueue_ratio if batches else None
     targets = [
         _check(
             "enqueue_batch vs raw COPY",
             f"{config.batch_enqueue_tasks:,} tasks, enqueue_batch / COPY, rows/s",
-            enqueue,
+            batches.enqueue_ratio() if batches else None,
             ">= 0.7",
             lambda v: v >= 0.7,
-        )
+        ),
+        _check(
+            "enqueue_many vs raw COPY",
+            f"{config.batch_enqueue_tasks:,} tasks, enqueue_many / COPY, rows/s",
+            batches.enqueue_ratio("lq_enqueue_many") if batches else None,
+            ">= 0.8",
+            lambda v: v >= 0.8,
+        ),
     ]
     for workers in config.workers:
         drained = batches.drain_ratio(TARGET_STRATEGY, workers) if batches else None

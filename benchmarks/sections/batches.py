@@ -72,6 +72,10 @@ def _package_batch(queue: LeaseQueue, _: psycopg.Connection[Any], rows: Payloads
     queue.enqueue_batch(rows)
 
 
+def _package_many(queue: LeaseQueue, _: psycopg.Connection[Any], rows: Payloads) -> None:
+    queue.enqueue_many(rows)
+
+
 @dataclass(frozen=True)
 class EnqueueMethod:
     name: str
@@ -82,6 +86,7 @@ class EnqueueMethod:
 ENQUEUE_METHODS = (
     EnqueueMethod("raw_copy", "COPY, psycopg write_row", _raw_copy),
     EnqueueMethod("lq_enqueue_batch", "enqueue_batch(generator)", _package_batch),
+    EnqueueMethod("lq_enqueue_many", "enqueue_many(generator)", _package_many),
 )
 
 
@@ -109,7 +114,7 @@ def _enqueue(config: BenchConfig, method: EnqueueMethod, log: Progress) -> Enque
         started = time.perf_counter()
         method.produce(queue, conn, payloads(count))
         seconds = time.perf_counter() - started
-        row = conn.execute("SELECT count(*) FROM tasks WHERE batch_id IS NOT NULL").fetchone()
+        row = conn.execute("SELECT count(*) FROM tasks").fetchone()
     log(f"  {count / seconds:,.0f} tasks/s in {seconds:.2f} s")
     return EnqueueRun(method.name, method.label, count, seconds, bool(row and row[0] == count))
 
@@ -296,10 +301,9 @@ class BatchesResult:
         rates = [run.per_second for run in self.enqueue if run.method == method]
         return statistics.fmean(rates) if rates else None
 
-    @property
-    def enqueue_ratio(self) -> float | None:
-        """enqueue_batch's rows/s over the raw COPY's, each the mean of its runs."""
-        return ratio(self.enqueue_rate("lq_enqueue_batch"), self.enqueue_rate("raw_copy"))
+    def enqueue_ratio(self, method: str = "lq_enqueue_batch") -> float | None:
+        """``method``'s rows/s over the raw COPY's, each the mean of its runs."""
+        return ratio(self.enqueue_rate(method), self.enqueue_rate("raw_copy"))
 
     def cell(self, kind: str, strategy: str, workers: int) -> list[BatchDrain]:
         return [
@@ -360,9 +364,14 @@ def _render_enqueue(result: BatchesResult) -> str:
         )
         for run in result.enqueue
     ]
-    rows.append(("lq / raw", "means of the runs", None, None, result.enqueue_ratio, None))
+    for method in ("lq_enqueue_batch", "lq_enqueue_many"):
+        rows.append(
+            (f"{method} / raw", "means of the runs", None, None, result.enqueue_ratio(method), None)
+        )
     headers = ("method", "how", "tasks", "seconds", "tasks/s", "all stored")
-    return table("enqueue_batch against a raw COPY (one transaction each)", headers, rows)
+    return table(
+        "enqueue_batch and enqueue_many against a raw COPY (one transaction each)", headers, rows
+    )
 
 
 def _render_drains(result: BatchesResult) -> str:

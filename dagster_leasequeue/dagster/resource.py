@@ -49,10 +49,13 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
 
             @dg.op
             def work(leasequeue: LeaseQueueResource) -> None:
-                while (lease := leasequeue.claim()) is not None:
-                    with lease, leasequeue.attempt(lease=lease) as attempt:
+                lease = leasequeue.claim()
+                while lease is not None:
+                    # The attempt's conclusion also claims the next task, in one round trip.
+                    with lease, leasequeue.attempt(lease=lease, claim_next=True) as attempt:
                         if not attempt.duplicate:
                             handle(lease.payload, attempt.connection)
+                    lease = attempt.claimed
 
             defs = dg.Definitions(
                 jobs=[dg.job(work)],
@@ -230,6 +233,20 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """Ack many leases in one statement; see :meth:`LeaseQueue.ack_many`."""
         return self.get_queue().ack_many(leases, results)
 
+    def ack_many_and_claim(
+        self,
+        leases: Iterable[Lease],
+        results: Iterable[Mapping[str, Any] | None] | None = None,
+        *,
+        limit: int,
+        lease_seconds: float | None = None,
+    ) -> list[Lease]:
+        """Ack many leases and claim the next ones in one statement and one commit; see
+        :meth:`LeaseQueue.ack_many_and_claim`."""
+        return self.get_queue().ack_many_and_claim(
+            leases, results, limit=limit, lease_seconds=lease_seconds
+        )
+
     def enqueue(
         self,
         payload: Mapping[str, Any],
@@ -275,9 +292,22 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         )
 
     @contextmanager
-    def attempt(self, key: str | None = None, *, lease: Lease | None = None) -> Iterator[Attempt]:
+    def attempt(
+        self,
+        key: str | None = None,
+        *,
+        lease: Lease | None = None,
+        claim_next: bool = False,
+        next_lease_seconds: float | None = None,
+    ) -> Iterator[Attempt]:
         """Record an attempt and skip duplicate work; see :meth:`LeaseQueue.attempt`."""
-        with self.get_queue().attempt(key, lease=lease, worker_id=self.worker_id()) as attempt:
+        with self.get_queue().attempt(
+            key,
+            lease=lease,
+            worker_id=self.worker_id(),
+            claim_next=claim_next,
+            next_lease_seconds=next_lease_seconds,
+        ) as attempt:
             yield attempt
 
     def enqueue_batch(

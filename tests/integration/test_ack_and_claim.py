@@ -175,3 +175,67 @@ def test_workers_crossing_keys_never_deadlock_and_keep_counts_right(queue: Lease
     assert errors == []
     assert statuses(queue) == {"done": 1200}
     assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
+
+
+def test_an_attempt_concludes_and_claims_the_next_task_in_one_round_trip(
+    queue: LeaseQueue,
+) -> None:
+    run_sql(queue, "CREATE TABLE {schema}.effects (task_id bigint PRIMARY KEY)")
+    ids = queue.enqueue_many([{"n": n} for n in range(3)])
+    lease = queue.claim(worker_id="w")
+    done = []
+    while lease is not None:
+        with lease, queue.attempt(lease=lease, claim_next=True) as attempt:
+            attempt.connection.execute(
+                f'INSERT INTO "{queue.schema}".effects VALUES (%s)', (lease.task_id,)
+            )
+            attempt.result = {"n": lease.payload["n"]}
+        done.append(lease.task_id)
+        assert lease.finished
+        lease = attempt.claimed
+        assert lease is None or (lease.worker_id, lease.queue) == ("w", "default")
+    assert done == ids
+    assert statuses(queue) == {"done": 3}
+    assert run_sql(queue, "SELECT count(*) FROM {schema}.effects") == [(3,)]
+    assert queue.get(ids[1]).result == {"n": 1}
+
+
+def test_an_attempt_whose_lease_was_lost_writes_nothing_and_claims_nothing(
+    queue: LeaseQueue,
+) -> None:
+    run_sql(queue, "CREATE TABLE {schema}.effects (task_id bigint PRIMARY KEY)")
+    first, waiting = queue.enqueue_many([{"n": 1}, {"n": 2}])
+    zombie = queue.claim()
+    assert zombie is not None
+    with pytest.raises(LeaseLost), queue.attempt(lease=zombie, claim_next=True) as attempt:
+        attempt.connection.execute(
+            f'INSERT INTO "{queue.schema}".effects VALUES (%s)', (zombie.task_id,)
+        )
+        expire(queue, first)
+        queue.sweep()
+    assert attempt.claimed is None
+    assert queue.get(waiting).status == "enqueued"
+    assert run_sql(queue, "SELECT count(*) FROM {schema}.effects") == [(0,)]
+
+
+def test_an_attempt_claims_the_next_task_of_a_controlled_queue_within_its_limit(
+    queue: LeaseQueue,
+) -> None:
+    for n in range(3):
+        queue.enqueue({"n": n}, concurrency_key="customer-1")
+    queue.set_concurrency_limit("default", 1)
+    lease = queue.claim()
+    seen = 0
+    while lease is not None:
+        with lease, queue.attempt(lease=lease, claim_next=True) as attempt:
+            pass
+        seen += 1
+        lease = attempt.claimed
+    assert seen == 3
+    assert statuses(queue) == {"done": 3}
+    assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
+    with (
+        pytest.raises(ConfigurationError, match="needs a lease"),
+        queue.attempt("key", claim_next=True),
+    ):
+        pass

@@ -68,6 +68,26 @@ def holding_a_lease(
     return [worker for worker in pool if str(worker.pid) in holders]
 
 
+def kill_one(
+    dsn: str, queue: LeaseQueue, pool: list[subprocess.Popen[str]], mode: str, work: tuple[str, ...]
+) -> tuple[int, float]:
+    """SIGKILL a worker (one that holds a lease, if any) and start another in its place;
+    return the victim's pid and when it was killed."""
+    victim = random.choice(holding_a_lease(queue, pool) or pool)
+    victim.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    victim.wait()
+    pool[pool.index(victim)] = start_worker(dsn, queue, mode, *work)
+    return victim.pid, killed_at
+
+
+def stop(pool: list[subprocess.Popen[str]], sweeper: Sweeper) -> None:
+    for worker in pool:
+        worker.kill()
+        worker.wait()
+    sweeper.stop()
+
+
 class Sweeper(threading.Thread):
     """Sweeps every SWEEP_INTERVAL seconds until stopped, as the sensor or a cron would."""
 
@@ -117,17 +137,11 @@ def test_sigkill_chaos_loses_nothing_and_writes_each_effect_once(
     try:
         while len(kill_times) < kills_wanted:
             time.sleep(random.uniform(0.2, 0.6))
-            victim = random.choice(holding_a_lease(queue, pool) or pool)
-            victim.send_signal(signal.SIGKILL)
-            kill_times[victim.pid] = time.time()
-            victim.wait()
-            pool[pool.index(victim)] = start_worker(dsn, queue, "drain", *work)
+            pid, killed_at = kill_one(dsn, queue, pool, "drain", work)
+            kill_times[pid] = killed_at
         wait_until(lambda: finished(queue) == tasks, 600, "every task to finish")
     finally:
-        for worker in pool:
-            worker.kill()
-            worker.wait()
-        sweeper.stop()
+        stop(pool, sweeper)
 
     counts = queue.stats().counts
     assert counts == {"enqueued": 0, "processing": 0, "done": tasks, "dead": 0, "cancelled": 0}
@@ -157,6 +171,38 @@ def test_sigkill_chaos_loses_nothing_and_writes_each_effect_once(
     assert events, "killing workers mid-task should have left leases to recover"
     assert max(recovery_times) <= bound
     assert worst_overdue <= SWEEP_INTERVAL + SLACK
+
+
+def test_sigkill_chaos_through_the_worker_loop_loses_nothing(
+    dsn: str,
+    make_queue,
+    chaos_long: bool,  # type: ignore[no-untyped-def]
+) -> None:
+    # run_worker acks each task in the statement that claims the next: a kill between
+    # those statements leaves the next task leased to a dead worker, for the sweeper.
+    tasks, kills_wanted, workers = (2000, 60, 4) if chaos_long else (300, 10, 3)
+    work = ("--lease", "1.0", "--work-min", "0.02", "--work-max", "0.06")
+    queue: LeaseQueue = make_queue(pool_size=4)
+    queue.install()
+    create_effects(queue)
+    ids = queue.enqueue_many([{"n": n} for n in range(tasks)], max_attempts=1000)
+    pool = [start_worker(dsn, queue, "loop", *work) for _ in range(workers)]
+    sweeper = Sweeper(queue)
+    sweeper.start()
+    kills = 0
+    try:
+        while kills < kills_wanted and finished(queue) < tasks:
+            time.sleep(random.uniform(0.1, 0.3))
+            kill_one(dsn, queue, pool, "loop", work)
+            kills += 1
+        wait_until(lambda: finished(queue) == tasks, 300, "every task to finish")
+    finally:
+        stop(pool, sweeper)
+    counts = queue.stats().counts
+    assert counts == {"enqueued": 0, "processing": 0, "done": tasks, "dead": 0, "cancelled": 0}
+    assert sorted(effects_per_task(queue)) == ids, "a task finished without its effect"
+    assert kills >= min(kills_wanted, 3)
+    assert queue.recovery_events(limit=100_000), "kills should have left leases to recover"
 
 
 def test_a_paused_zombie_is_refused_everything(

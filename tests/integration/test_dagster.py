@@ -454,10 +454,13 @@ def test_killed_worker_is_recovered_by_a_tick_and_its_result_written_once(
 
 
 def _processing_contract(queue: LeaseQueue) -> int | None:
+    """The contract's task once its work has begun: leased, its attempt recorded running
+    (the worker claims it in the statement that concludes the task before it)."""
     rows = run_sql(
         queue,
-        "SELECT id FROM {schema}.tasks WHERE status = 'processing'"
-        " AND payload->>'kind' = 'contract'",
+        "SELECT t.id FROM {schema}.tasks AS t JOIN {schema}.attempts AS a ON a.task_id = t.id"
+        " WHERE t.status = 'processing' AND t.payload->>'kind' = 'contract'"
+        " AND a.outcome = 'running'",
     )
     return int(rows[0][0]) if rows else None
 

@@ -35,7 +35,8 @@ class ModelTask:
 
 def machine_for(queue: LeaseQueue) -> type[RuleBasedStateMachine]:
     class QueueMachine(RuleBasedStateMachine):
-        """Enqueue, claim, renew, ack, fail, expire-and-sweep and cancel, checked step by step."""
+        """Enqueue, claim, renew, ack, ack-and-claim, fail, expire-and-sweep and cancel,
+        checked step by step."""
 
         @initialize()
         def empty_queue(self) -> None:
@@ -61,8 +62,11 @@ def machine_for(queue: LeaseQueue) -> type[RuleBasedStateMachine]:
 
         @rule()
         def claim(self) -> None:
+            self.claimed(queue.claim())
+
+        def claimed(self, lease: Lease | None) -> None:
+            """Check a claim's lease against the model's next task, and take it."""
             waiting = [(t.ready, i) for i, t in self.model.items() if t.status == "enqueued"]
-            lease = queue.claim()
             if not waiting:
                 assert lease is None
                 return
@@ -71,6 +75,19 @@ def machine_for(queue: LeaseQueue) -> type[RuleBasedStateMachine]:
             task.status, task.attempts, task.token = "processing", task.attempts + 1, lease.token
             assert lease.attempt == task.attempts <= task.max_attempts
             self.leases.append(lease)
+
+        @precondition(lambda self: self.leases)
+        @rule(data=st.data())
+        def ack_and_claim(self, data: st.DataObject) -> None:
+            lease = data.draw(st.sampled_from(self.leases))
+            if not self.is_current(lease):
+                with pytest.raises(LeaseLost):
+                    lease.ack_and_claim()
+                self.stale_writes_refused += 1
+                return
+            nxt = lease.ack_and_claim()
+            self.model[lease.task_id].status = "done"
+            self.claimed(nxt)
 
         @precondition(lambda self: self.leases)
         @rule(data=st.data(), action=st.sampled_from(["ack", "fail", "renew"]))
