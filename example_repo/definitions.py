@@ -24,6 +24,18 @@ from example_repo.documents import DOCUMENTS, create_results_table, summarise, w
 
 QUEUE = "documents"
 
+# The summarisation model behind the workers takes at most this many documents a second,
+# however many workers and machines claim: the queue's claims hold to it (a token bucket
+# in the database; see LeaseQueue.set_rate_limit).
+SUMMARIES_PER_SECOND = 20.0
+
+
+def limit_summaries(leasequeue: LeaseQueueResource) -> None:
+    """Put the model's rate limit on the queue, once (a bucket set again starts full)."""
+    queue = leasequeue.get_queue()
+    if queue.flow(QUEUE).per_second != SUMMARIES_PER_SECOND:
+        queue.set_rate_limit(QUEUE, per_second=SUMMARIES_PER_SECOND)
+
 
 class EnqueueConfig(dg.Config):
     copies: int = 1
@@ -42,6 +54,7 @@ def enqueue_documents_op(
     context: dg.OpExecutionContext, config: EnqueueConfig, leasequeue: LeaseQueueResource
 ) -> list[int]:
     """Enqueue the documents; a document already waiting or in progress is not added twice."""
+    limit_summaries(leasequeue)
     ids = []
     for copy in range(config.copies):
         for document in DOCUMENTS:
@@ -109,6 +122,7 @@ MAX_DEAD_SHARE = 0.1
 def document_batch(
     context: dg.AssetExecutionContext, config: EnqueueConfig, leasequeue: LeaseQueueResource
 ) -> dg.MaterializeResult:
+    limit_summaries(leasequeue)
     payloads = (document for _ in range(config.copies) for document in DOCUMENTS)
     # Named after the run: a retry of this step finds the batch it made instead of a second.
     batch = leasequeue.enqueue_batch(payloads, queue=QUEUE, name=f"document_batch:{context.run_id}")

@@ -102,6 +102,8 @@ def demo() -> int:
             f"task {task.task_id}: {task.payload['document']} ({pages} page{'s' * (pages != 1)})",
         )
     say("", f"materialization metadata: {materialization_metadata(instance, result.run_id)}")
+    flow = queue.flow(QUEUE)
+    say("", f"rate limit: {flow.per_second:g} documents a second, across every worker")
 
     say("3. Job process_documents in a worker process, killed mid-task with SIGKILL")
     log = home / "worker.log"

@@ -24,7 +24,7 @@ from dagster_leasequeue import (
     LeaseQueueResource,
     build_sweeper_sensor,
 )
-from example_repo.definitions import defs, process_documents
+from example_repo.definitions import SUMMARIES_PER_SECOND, defs, process_documents
 from example_repo.ticks import run_sensor_tick
 
 from ..helpers import expire, run_sql
@@ -78,6 +78,9 @@ def observations(instance: dg.DagsterInstance, event: str) -> list[dict[str, obj
 def test_example_jobs_run_in_process(example_env: LeaseQueue, instance: dg.DagsterInstance) -> None:
     result = defs.get_job_def("enqueue_documents").execute_in_process(instance=instance)
     assert result.success and len(result.output_for_node("enqueue_documents_op")) == 6
+    # The summarisation model's rate limit is on the queue, for every worker's claims.
+    flow = example_env.flow("documents")
+    assert (flow.per_second, flow.burst) == (SUMMARIES_PER_SECOND, SUMMARIES_PER_SECOND)
     # Enqueueing again adds nothing: every document is still waiting under its key.
     defs.get_job_def("enqueue_documents").execute_in_process(instance=instance)
     assert example_env.stats("documents").counts["enqueued"] == 6
