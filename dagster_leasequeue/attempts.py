@@ -200,20 +200,27 @@ class _NextClaim:
     def __init__(self, driver: QueueDriver, lease: Lease, lease_seconds: float | None) -> None:
         self._driver = driver
         self._queue = lease.queue
+        self._task = lease.task_id
         self._worker_id = lease.worker_id or ""
         self.params = driver.claims.params(self._queue, self._worker_id, lease_seconds)
         self.statement, self._plain = driver.claims.statement(self._queue, 1)
         self.sent = 0.0
         self.rows: list[Row] = []
         self.succeeded = False
+        self.failed = False
 
     def lease(self, cached: CachedConnection) -> Lease | None:
         """The claimed task's lease; a plain claim that found nothing asks once more whether
         the queue is controlled (on the attempt's connection, its session reset)."""
         rows = self.rows
-        if not rows and self._plain:
-            with self._driver.errors:
-                rows = self._driver.claims.claim_if_controlled(cached, 1, self.params)
+        if not rows and self._plain and not self.failed:
+            try:
+                with self._driver.errors:
+                    rows = self._driver.claims.claim_if_controlled(cached, 1, self.params)
+            except LeaseQueueError as exc:
+                # The attempt concluded: a failed claim after it only means no next task.
+                logger.warning("the claim after task %s's attempt failed: %s", self._task, exc)
+                return None
         leases = leases_from_rows(
             self._driver, rows, queue=self._queue, worker_id=self._worker_id, sent=self.sent
         )
@@ -239,11 +246,10 @@ def _run(
                 # The work ran no statement (a duplicate, or effects kept elsewhere): no
                 # transaction to open just to conclude.
                 conn.autocommit = True
-                script = sql.CONCLUDE_EMPTY_ATTEMPT
+                script = sql.CONCLUDE_EMPTY_ATTEMPT_APART if claim else sql.CONCLUDE_EMPTY_ATTEMPT
             else:
                 script = sql.CONCLUDE_ATTEMPT
-            _conclude(cached, driver, script, attempt, lease, encoded, claim)
-            session_reset = True
+            session_reset = _conclude(cached, driver, script, attempt, lease, encoded, claim)
         except BaseException:
             _rollback(conn)
             raise
@@ -301,12 +307,14 @@ def _conclude(
     lease: Lease | None,
     encoded_result: str | None,
     claim: _NextClaim | None,
-) -> None:
+) -> bool:
     """The success mark, the lease's fenced ack, the commit and the session's reset, and
-    the next claim with ``claim``.
+    the next claim with ``claim``; False when the session is left to reset.
 
     One round trip (``script``: see sql.CONCLUDE_ATTEMPT); the commit happens only if the
-    mark and the ack both went through, and the claim only after it.
+    mark and the ack both went through, and the claim only after it. A claim that fails
+    after that commit (a conflict, a timeout) costs the attempt nothing: it succeeded, and
+    no next task comes with it.
     """
     params: dict[str, Any] = {
         "attempt_id": None if attempt.duplicate else attempt.id,
@@ -334,6 +342,14 @@ def _conclude(
             with driver.errors:
                 cached.conn.rollback()
                 lease._raise_lost_on(cached, "ack")
+        if claim is not None and lease is not None and _concluded_before(cached.conn, lease):
+            logger.warning(
+                "task %s concluded, but the claim of the next task after it failed: %s",
+                lease.task_id,
+                exc,
+            )
+            claim.failed = True
+            return False
         with driver.errors:
             raise
     # Committed: a failure to drop what the borrower PREPAREd only costs the connection.
@@ -345,6 +361,16 @@ def _conclude(
             deallocate(cached.conn, reset[-1])
     except psycopg.Error:
         cached.conn.close()  # the pool discards a closed connection
+    return True
+
+
+def _concluded_before(conn: psycopg.Connection[Any], lease: Lease) -> bool:
+    """Whether the conclusion committed before the script failed (the claim after it did)."""
+    _rollback(conn)
+    try:
+        return lease._concluded_by_self()
+    except LeaseQueueError:
+        return False
 
 
 def _result_rows(cursor: psycopg.Cursor[Any]) -> list[list[Row]]:

@@ -9,9 +9,12 @@ a while. The queue's claims and its leases' ``ack_and_claim`` share that guess.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+import psycopg
 
 from . import sql
 from .connection import CachedConnection
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
 CONTROLLED_RECHECK_SECONDS = 5.0
 
 Row = tuple[Any, ...]
+
+logger = logging.getLogger(__name__)
 
 
 class Claims:
@@ -86,7 +91,12 @@ class Claims:
         claimed = [row for row in rows if row[1] is not None]
         if claimed or len(acked) < leases:
             return acked, claimed
-        return acked, self.claim_if_controlled(conn, limit, params)
+        try:
+            return acked, self.claim_if_controlled(conn, limit, params)
+        except psycopg.Error as exc:
+            # The acks committed: a failed claim after them only means no next task.
+            logger.warning("the claim after an ack of %s failed: %s", queue, exc)
+            return acked, []
 
     def _ack(self, conn: CachedConnection, acks: Mapping[str, Any], many: bool) -> set[int]:
         if not many:

@@ -684,6 +684,8 @@ class LeaseQueue:
             raise ConfigurationError(
                 "ack_many_and_claim needs at least one lease; claim the first with claim_many"
             )
+        if len({lease.task_id for lease in held}) < len(held):
+            raise ConfigurationError("ack_many_and_claim was given the same lease twice")
         if len({(lease.queue, lease.worker_id) for lease in held}) > 1:
             raise ConfigurationError(
                 "ack_many_and_claim needs leases of one queue and one worker; "

@@ -693,8 +693,9 @@ COPY_TASKS_WITH_IDS = "COPY {schema}.tasks (id, " + _COPIED_COLUMNS
 # The ids, drawn in one statement, are one run of numbers unless another session drew some
 # meanwhile: then (only then) the list comes back whole.
 RESERVE_TASK_IDS = """
-    WITH drawn AS (
-        SELECT nextval({task_ids}::regclass) AS id FROM generate_series(1, %(count)s)
+    WITH seq AS (SELECT pg_get_serial_sequence({tasks_table}, 'id')::regclass AS name),
+    drawn AS (
+        SELECT nextval(s.name) AS id FROM seq AS s, generate_series(1, %(count)s)
     )
     SELECT min(id), CASE WHEN max(id) - min(id) + 1 <> count(*) THEN array_agg(id) END
     FROM drawn
@@ -903,6 +904,10 @@ CONCLUDE_ATTEMPT = _CONCLUDE + "COMMIT; " + RESET_SESSION
 # When the work ran no statement there is no transaction to commit: the simple query is
 # one implicit transaction, committed when it ends, and no BEGIN is needed before it.
 CONCLUDE_EMPTY_ATTEMPT = _CONCLUDE + RESET_SESSION
+# With the next claim after it, even an attempt that ran no statement commits on its own:
+# in one transaction with the claim, its key's row would stay locked while the claim waits
+# for its own key's, and two workers crossing keys would deadlock.
+CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 # With claim_next, the next claim rides in the same script: after the session's settings
 # and role are reset, so that it runs as the package's own statements do, and before the
 # reset's last SELECT, whose row (what is left to deallocate) stays the script's last.
@@ -976,7 +981,7 @@ def _render(template: str, schema: str, **extra: sql.Composable) -> str:
         .format(
             schema=sql.Identifier(schema),
             lease_tokens=sql.Literal(sql.Identifier(schema, "lease_tokens").as_string(None)),
-            task_ids=sql.Literal(sql.Identifier(schema, "tasks_id_seq").as_string(None)),
+            tasks_table=sql.Literal(sql.Identifier(schema, "tasks").as_string(None)),
             **extra,
         )
         .as_string(None)

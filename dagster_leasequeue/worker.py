@@ -237,7 +237,12 @@ def _process(
     lease_seconds: float | None,
 ) -> tuple[str, Lease | None]:
     """Run the handler on one claimed task inside ``with lease:``; return the outcome,
-    and the next task when the worker wants one and the ack could claim it."""
+    and the next task when the worker wants one and the ack could claim it.
+
+    The next task is returned whatever the outcome: a handler whose attempt concluded the
+    task (and claimed the next) may raise afterwards, and the task claimed for this worker
+    must not be left to run out its lease (and one of its attempts) unworked.
+    """
     log.info("task %s started (attempt %s of %s)", lease.task_id, lease.attempt, lease.max_attempts)
     started = time.monotonic()
     if wants_next():
@@ -252,13 +257,13 @@ def _process(
                 lease.ack(result)
     except _Aborted:
         log.warning("task %s released for another worker", lease.task_id)
-        return "released", None
+        return "released", lease.next_lease
     except LeaseLost as exc:
         log.warning("task %s: %s", lease.task_id, exc)
-        return "lost", None
+        return "lost", lease.next_lease
     except DatabaseUnavailable as exc:
         log.warning("task %s interrupted: %s", lease.task_id, exc)
-        return "unreachable", None
+        return "unreachable", lease.next_lease
     except Exception as exc:
         ending = "now dead" if lease.attempt >= lease.max_attempts else "will be retried"
         log.error(
@@ -271,7 +276,7 @@ def _process(
             exc,
             exc_info=not isinstance(exc, LeaseQueueError),
         )
-        return "failed", None
+        return "failed", lease.next_lease
     log.info("task %s done in %.2f s", lease.task_id, time.monotonic() - started)
     return "done", lease.next_lease
 

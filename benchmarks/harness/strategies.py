@@ -102,6 +102,7 @@ class PackageSqlDrainer(BareDrainer):
 
     def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
         super().__init__(dsn, schema, batch, prepared)
+        self._schema = schema
         self._claim = lq_sql.compose_claim(schema, batch)
         self._ack = lq_sql.compose(lq_sql.ACK if batch == 1 else lq_sql.ACK_MANY, schema)
         self._params = {
@@ -127,7 +128,12 @@ class PackageSqlDrainer(BareDrainer):
             self._conn.execute(self._ack, {"task_id": task_id, "token": token, "result": None})
             return
         ids, tokens = zip(*claimed, strict=True)
-        params = {"task_ids": list(ids), "tokens": list(tokens), "results": [None] * len(ids)}
+        params = {
+            "task_ids": list(ids),
+            "tokens": list(tokens),
+            "results": [None] * len(ids),
+            "channel": lq_sql.notify_channel(self._schema),
+        }
         self._conn.execute(self._ack, params)
 
 

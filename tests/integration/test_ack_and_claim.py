@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dagster_leasequeue import ConfigurationError, LeaseLost, LeaseQueue
+from dagster_leasequeue import ConfigurationError, LeaseLost, LeaseQueue, run_worker
 
 from ..helpers import expire, run_sql
 
@@ -239,3 +239,68 @@ def test_an_attempt_claims_the_next_task_of_a_controlled_queue_within_its_limit(
         queue.attempt("key", claim_next=True),
     ):
         pass
+
+
+def test_an_attempt_that_ran_no_statement_commits_apart_from_the_next_claim(
+    queue: LeaseQueue,
+) -> None:
+    # In one transaction, the claim would wait for its key's row while holding the
+    # conclusion's: two workers crossing keys would deadlock.
+    first, second = queue.enqueue_many([{"n": 1}, {"n": 2}])
+    lease = queue.claim()
+    assert lease is not None
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        pass  # no statement: the attempt's transaction never began
+    assert attempt.claimed is not None and attempt.claimed.task_id == second
+    commits = dict(run_sql(queue, "SELECT id, xmin::text::bigint FROM {schema}.tasks ORDER BY id"))
+    assert commits[first] != commits[second]
+
+
+def test_a_claim_that_fails_after_the_attempt_committed_costs_the_attempt_nothing(
+    queue: LeaseQueue,
+) -> None:
+    run_sql(
+        queue,
+        """
+        CREATE FUNCTION {schema}.refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.payload ? 'boom' THEN RAISE EXCEPTION 'this task cannot be claimed'; END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER refuse_boom BEFORE UPDATE ON {schema}.tasks FOR EACH ROW
+            WHEN (NEW.status = 'processing') EXECUTE FUNCTION {schema}.refuse_boom();
+        """,
+    )
+    first, boom = queue.enqueue_many([{"n": 1}, {"boom": True}])
+    lease = queue.claim()
+    assert lease is not None
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        attempt.result = {"ok": True}
+    assert attempt.claimed is None
+    assert lease.finished
+    assert queue.get(first).status == "done" and queue.get(first).result == {"ok": True}
+    assert queue.get(boom).status == "enqueued"
+    assert [a.outcome for a in queue.attempts(task_id=first)] == ["succeeded"]
+
+
+def test_a_worker_whose_handler_raises_after_its_attempt_strands_no_task(
+    queue: LeaseQueue,
+) -> None:
+    queue.enqueue_many([{"n": n} for n in range(3)], max_attempts=1)
+
+    def handler(payload: dict[str, Any], lease: Any) -> None:
+        with queue.attempt(lease=lease):
+            pass  # concluded, and the next task claimed with it
+        raise ValueError("after the attempt")
+
+    summary = run_worker(queue, handler, burst=True)
+    assert summary.outcomes == {"failed": 3}
+    assert statuses(queue) == {"done": 3}
+
+
+def test_ack_many_and_claim_refuses_a_lease_given_twice(queue: LeaseQueue) -> None:
+    queue.enqueue_many([{"n": n} for n in range(3)])
+    leases = queue.claim_many(2)
+    with pytest.raises(ConfigurationError, match="same lease twice"):
+        queue.ack_many_and_claim([leases[0], leases[0], leases[1]], limit=1)
+    assert statuses(queue) == {"processing": 2, "enqueued": 1}
