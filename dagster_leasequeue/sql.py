@@ -827,10 +827,15 @@ BEGIN_ATTEMPT = """
         WHERE identity = %(identity)s AND outcome = 'running'
         RETURNING id
     ), previous AS (
+        -- One equality per identity, not IN (...): the prepared statement's generic plan,
+        -- made while the table is nearly empty, then reads the index, not every record.
         SELECT count(*) AS n,
-               bool_or(outcome = 'succeeded') AS succeeded,
-               (array_agg(result) FILTER (WHERE outcome = 'succeeded'))[1] AS result
-        FROM {schema}.attempts WHERE identity IN (%(identity)s, %(legacy_identity)s)
+               bool_or(r.outcome = 'succeeded') AS succeeded,
+               (array_agg(r.result) FILTER (WHERE r.outcome = 'succeeded'))[1] AS result
+        FROM (SELECT outcome, result FROM {schema}.attempts WHERE identity = %(identity)s
+              UNION ALL
+              SELECT outcome, result FROM {schema}.attempts
+              WHERE identity = %(legacy_identity)s) AS r
     )
     INSERT INTO {schema}.attempts
         (identity, queue, key, attempt, task_id, worker_id, outcome, finished_at)
