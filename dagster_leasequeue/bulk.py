@@ -8,7 +8,7 @@ writes them with the rows: COPY keeps the values it is given, even for an identi
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from itertools import islice
+from itertools import islice, repeat
 from typing import Any
 
 import psycopg
@@ -43,21 +43,16 @@ def copy_tasks(
     middle = f"\t{columns['max_attempts']}\t{_copy_text(None if batch is None else str(batch))}\t"
     template = sql.COPY_TASKS_WITH_IDS if ids is not None else sql.COPY_TASKS
     rows = iter(encoded)
+    # Each row's id and its tab, or nothing: zip below takes the chunk's row first, so it
+    # stops on the chunk's end without drawing an id too many.
+    prefixes = repeat("") if ids is None else (f"{task_id}\t" for task_id in ids)
     total = 0
     with conn.cursor().copy(driver.statement(template)) as copy:
         while chunk := list(islice(rows, COPY_ROWS_PER_WRITE)):
-            if ids is None:
-                lines = [
-                    f"{before}{text.replace(chr(92), chr(92) * 2)}{middle}{_copy_text(key)}\n"
-                    for text, key in chunk
-                ]
-            else:
-                lines = [
-                    f"{task_id}\t{before}{text.replace(chr(92), chr(92) * 2)}{middle}"
-                    f"{_copy_text(key)}\n"
-                    # The chunk first: zip stops on it without drawing an id too many.
-                    for (text, key), task_id in zip(chunk, ids, strict=False)
-                ]
+            lines = [
+                f"{prefix}{before}{text.replace(chr(92), chr(92) * 2)}{middle}{_copy_text(key)}\n"
+                for (text, key), prefix in zip(chunk, prefixes, strict=False)
+            ]
             copy.write("".join(lines).encode())
             total += len(chunk)
     return total
