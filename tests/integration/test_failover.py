@@ -228,6 +228,7 @@ def _drain(
     error_example: list[str] = []
     unexpected: list[BaseException] = []
     recovered: list[tuple[float, int]] = []
+    killed_at_box = [0.0]  # when the old primary was dead; set before `killed`
 
     def note(counter: Counter[str], exc: BaseException) -> None:
         counter[type(exc).__name__] += 1
@@ -281,11 +282,19 @@ def _drain(
             unexpected.append(exc)
             raise
 
+    def every_worker_claimed_since_the_kill() -> bool:
+        return killed.is_set() and all(
+            record.claims and record.claims[-1].sent >= killed_at_box[0] for record in records
+        )
+
     def producer() -> None:
         n = upfront
         # Spread over the drain, so that enqueues are acknowledged up to the kill and after.
+        # It goes on past its share until every worker has claimed on the new primary: a
+        # worker still reconnecting when the last task was taken would otherwise have had
+        # nothing left to show that it came back.
         pace = 0.004
-        while n < tasks and not stop.is_set():
+        while (n < tasks or not every_worker_claimed_since_the_kill()) and not stop.is_set():
             sent = time.monotonic()
             try:
                 task_id = producer_queue.enqueue({"n": n})
@@ -327,7 +336,7 @@ def _drain(
         timings["drain_before_kill_s"] = time.monotonic() - started
         kill_started = time.monotonic()
         pair.kill_primary()
-        killed_at = time.monotonic()
+        killed_at = killed_at_box[0] = time.monotonic()
         killed.set()
         # What the standby holds of the token sequence once it replayed all it received:
         # WAL-logged ahead of the values handed out, so above every token claimed.
