@@ -203,7 +203,7 @@ class _NextClaim:
         self._task = lease.task_id
         self._worker_id = lease.worker_id or ""
         self.params = driver.claims.params(self._queue, self._worker_id, lease_seconds)
-        self.statement, self._plain = driver.claims.statement(self._queue, 1)
+        self.statement, self._plain = driver.claims.script_statement(self._queue)
         self.sent = 0.0
         self.rows: list[Row] = []
         self.succeeded = False
@@ -377,7 +377,10 @@ def _result_rows(cursor: psycopg.Cursor[Any]) -> list[list[Row]]:
     """The rows of each statement of a script that returned rows, in order."""
     results = []
     while True:
-        if cursor.description is not None:
+        # The result's status, not cursor.description: that would describe every column of
+        # every statement, a good part of the client's time on a script of a dozen.
+        result = cursor.pgresult
+        if result is not None and result.status == pq.ExecStatus.TUPLES_OK:
             results.append(cursor.fetchall())
         if not cursor.nextset():
             return results

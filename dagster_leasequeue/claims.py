@@ -62,6 +62,13 @@ class Claims:
             return sql.compose_claim_flow(self._driver.schema, limit), False
         return sql.compose_claim(self._driver.schema, limit), True
 
+    def script_statement(self, queue: str) -> tuple[str, bool]:
+        """As :meth:`statement` for one task, for a claim sent in a script (a simple query,
+        where nothing is prepared): a function call, whose statement keeps its plan."""
+        if self._is_controlled(queue):
+            return sql.compose_claim_flow(self._driver.schema, 1), False
+        return self._driver.statement(sql.CLAIM_ONE_CALL), True
+
     def ack_and_claim(
         self,
         conn: CachedConnection,

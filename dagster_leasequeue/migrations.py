@@ -294,11 +294,9 @@ _PICK_IF_ROOM = """
 
 # claim_flow() in parts: migration 9's version; migration 11's, which differs only in
 # how many keys it locks (_KEYS_ROOM_V9, _KEYS_ROOM).
-_CLAIM_FLOW_HEAD = (
-    """
-    CREATE FUNCTION {schema}.claim_flow(
-        p_queue text, p_limit integer, p_worker text, p_lease double precision,
-        p_default_lease double precision
+# What a claim function returns: the columns of a claim's rows (see sql.CLAIM_ONE), in
+# the order a Lease is built from.
+_CLAIMED_ROWS = """\
     ) RETURNS TABLE (
         id bigint, payload jsonb, priority integer, attempts integer, max_attempts integer,
         lease_token bigint, lease_expires_at timestamptz, idempotency_key text,
@@ -306,7 +304,16 @@ _CLAIM_FLOW_HEAD = (
     )
     LANGUAGE plpgsql AS $$
     #variable_conflict use_column
-    DECLARE
+"""
+
+_CLAIM_FLOW_HEAD = (
+    """
+    CREATE FUNCTION {schema}.claim_flow(
+        p_queue text, p_limit integer, p_worker text, p_lease double precision,
+        p_default_lease double precision
+"""
+    + _CLAIMED_ROWS
+    + """    DECLARE
         v_flow {schema}.queue_flow;
         v_want integer := p_limit;
         v_scan integer := """
@@ -738,6 +745,53 @@ _KEY_RUNNING_TRIGGER = (
 """
 )
 
+
+# The plain claim of one task (sql.CLAIM_ONE, its parameters named), for a claim sent in a
+# simple query of several statements: an attempt's conclusion that claims the next task.
+# There nothing is prepared, and planning sql.CLAIM_ONE anew took more server time than
+# running it; a function's statements keep their plans for the session, as a prepared
+# statement does. tests/unit/test_statements.py holds it to sql.CLAIM_ONE.
+_CLAIM_ONE = (
+    """
+    CREATE FUNCTION {schema}.claim_one(
+        p_queue text, p_worker text, p_lease double precision, p_default_lease double precision
+"""
+    + _CLAIMED_ROWS
+    + """    BEGIN
+        RETURN QUERY
+        WITH claimed AS (
+            UPDATE {schema}.tasks AS t
+            SET status = 'processing',
+                attempts = t.attempts + 1,
+                lease_token = nextval({lease_tokens}::regclass),
+                lease_expires_at = clock_timestamp()
+                    + make_interval(
+                        secs => coalesce(p_lease, t.lease_seconds, p_default_lease)),
+                worker_id = p_worker,
+                updated_at = clock_timestamp()
+            WHERE t.id = (
+                SELECT id FROM {schema}.tasks
+                WHERE status = 'enqueued' AND queue = p_queue AND run_at <= clock_timestamp()
+                  AND NOT EXISTS (
+                    SELECT 1 FROM {schema}.queue_flow AS f
+                    WHERE f.queue = p_queue
+                      AND (f.paused OR f.max_running IS NOT NULL OR f.per_second IS NOT NULL
+                           OR f.key_limits))
+                ORDER BY priority DESC, run_at, id
+                LIMIT 1
+                FOR UPDATE SKIP LOCKED
+            )
+            RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
+                      t.lease_expires_at, t.idempotency_key,
+                      coalesce(p_lease, t.lease_seconds, p_default_lease) AS lease_seconds,
+                      t.run_at, NULL::double precision AS next_token_in
+        )
+        SELECT * FROM claimed;
+    END
+    $$
+"""
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -1033,6 +1087,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         12,
         "claim_flow scans again when tasks it picked were leased by another claimer",
         (_CLAIM_FLOW_V12,),
+    ),
+    Migration(
+        13, "claim_one(): the plain claim of one task, planned once per session", (_CLAIM_ONE,)
     ),
 )
 

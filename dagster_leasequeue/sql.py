@@ -176,6 +176,11 @@ CLAIM_FLOW = """
         %(queue)s, {limit}, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)
 """
 QUEUE_CONTROLLED = "SELECT " + _CONTROLLED
+# CLAIM_ONE as a function (migration 13), for a claim that rides in a script.
+CLAIM_ONE_CALL = """
+    SELECT * FROM {schema}.claim_one(
+        %(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)
+"""
 
 ENSURE_QUEUE_FLOW = """
     INSERT INTO {schema}.queue_flow (queue) VALUES (%(queue)s) ON CONFLICT (queue) DO NOTHING

@@ -48,6 +48,24 @@ def test_the_two_claims_pick_set_and_return_alike() -> None:
     assert _returned(_leased(one)) == _returned(_leased(many))
 
 
+def test_the_claim_in_a_script_is_the_plain_claim_of_one_task() -> None:
+    # claim_one() (migration 13) runs sql.CLAIM_ONE with its parameters named.
+    (function,) = migrations.MIGRATIONS[12].statements
+    named = (
+        _flat(sql.CLAIM_ONE)
+        .replace("%(queue)s", "p_queue")
+        .replace("%(worker_id)s", "p_worker")
+        .replace("%(lease_seconds)s", "p_lease")
+        .replace("%(default_lease)s", "p_default_lease")
+        .replace("{limit}", "1")
+        .replace("( ", "(")
+        .replace(" )", ")")
+    )
+    body = _flat(function).replace("( ", "(").replace(" )", ")")
+    assert named in body
+    assert "CLAIM_ONE" not in body and "%(" not in body
+
+
 def _leased(claim: str) -> str:
     """The claim up to the end of its lease's RETURNING list (what follows counts keys, or
     is claim_flow's part for a controlled queue)."""
