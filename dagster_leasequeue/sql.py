@@ -698,11 +698,14 @@ COPY_TASKS_WITH_IDS = "COPY {schema}.tasks (id, " + _COPIED_COLUMNS
 # The ids, drawn in one statement, are one run of numbers unless another session drew some
 # meanwhile: then (only then) the list comes back whole.
 RESERVE_TASK_IDS = """
-    WITH seq AS (SELECT pg_get_serial_sequence({tasks_table}, 'id')::regclass AS name),
-    drawn AS (
-        SELECT nextval(s.name) AS id FROM seq AS s, generate_series(1, %(count)s)
+    WITH drawn AS (
+        -- The sequence looked up once (a scalar subquery, an InitPlan), not for every id:
+        -- that took most of the time of a large enqueue_many.
+        SELECT nextval((SELECT pg_get_serial_sequence({tasks_table}, 'id')::regclass)) AS id
+        FROM generate_series(1, %(count)s)
     )
-    SELECT min(id), CASE WHEN max(id) - min(id) + 1 <> count(*) THEN array_agg(id) END
+    SELECT min(id),
+           CASE WHEN max(id) - min(id) + 1 <> count(*) THEN (SELECT array_agg(id) FROM drawn) END
     FROM drawn
 """
 # With idempotency keys: a key an unfinished task of the queue holds is skipped, as
