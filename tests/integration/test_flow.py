@@ -407,3 +407,32 @@ def test_a_claim_that_waited_on_another_claims_key_rows_still_gets_the_next_task
     assert len(second) == 10
     assert set(second).isdisjoint(first)
     assert queue.stats("default").counts["processing"] == 20
+
+
+def test_a_claim_on_a_table_never_analysed_looks_each_key_up_by_its_index(
+    queue: LeaseQueue,
+) -> None:
+    # A long backlog of one key held at its limit, many keys behind it, and no statistics
+    # yet (a table just filled, before autovacuum's first ANALYZE): the claim looks each
+    # waiting key's tasks up through the key index, never by walking the backlog.
+    backlog = 20_000
+    queue.enqueue_many([{"n": n} for n in range(backlog)], queue="api", concurrency_key="hot")
+    queue.enqueue_many(
+        [{"n": n} for n in range(400)], queue="api", concurrency_key=lambda p: f"k{p['n'] % 200}"
+    )
+    queue.set_concurrency_limit("api", 2)
+    assert len(queue.claim_many(2, queue="api")) == 2  # "hot" at its limit
+    (analysed,) = run_sql(
+        queue,
+        "SELECT last_analyze IS NOT NULL OR last_autoanalyze IS NOT NULL"
+        " FROM pg_stat_user_tables WHERE relid = '{schema}.tasks'::regclass",
+    )
+    with queue.connection() as conn, conn.transaction(force_rollback=True):
+        (plan,) = conn.execute(
+            f'EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM "{queue.schema}"'
+            ".claim_flow('api', 100, 'w', NULL, 30)"
+        ).fetchone()
+    scan = plan[0]["Plan"]
+    assert scan["Actual Rows"] == 100  # the first tasks of 50 of the 200 keys
+    buffers = scan["Shared Hit Blocks"] + scan["Shared Read Blocks"]
+    assert buffers < backlog / 2, (analysed, buffers)
