@@ -534,7 +534,8 @@ LEASE_STATE = "SELECT status, lease_token FROM {schema}.tasks WHERE id = %(task_
 # -- the sweeper -------------------------------------------------------------------------
 
 
-SWEEP_BATCH = """
+SWEEP_BATCH = (
+    """
     WITH expired AS (
         SELECT id, lease_expires_at FROM {schema}.tasks
         WHERE status = 'processing' AND lease_expires_at < clock_timestamp()
@@ -554,14 +555,23 @@ SWEEP_BATCH = """
         FROM expired
         WHERE t.id = expired.id
         RETURNING t.id, t.queue, t.attempts, t.worker_id, expired.lease_expires_at,
-                  CASE WHEN t.status = 'dead' THEN 'dead' ELSE 'requeued' END AS action
-    )
+                  CASE WHEN t.status = 'dead' THEN 'dead' ELSE 'requeued' END AS action,
+                  t.concurrency_key
+    )"""
+    # Its keys' running tasks counted once per key, in key order, as ack_many counts them:
+    # row by row, in expiry order, a sweep holding one key's row and waiting for another's
+    # could deadlock with a statement that holds the second and waits for the first.
+    + _COUNT_KEYS_IN_BULK.format(changed="recovered", tasks="-count(*)")
+    + _NOTIFY_KEYS_FREED
+    + """
     INSERT INTO {schema}.recovery_events
         (task_id, queue, action, attempt, worker_id, lease_expires_at)
-    SELECT id, queue, action, attempts, worker_id, lease_expires_at
-    FROM recovered ORDER BY lease_expires_at, id
+    SELECT r.id, r.queue, r.action, r.attempts, r.worker_id, r.lease_expires_at
+    FROM recovered AS r CROSS JOIN keys_freed
+    ORDER BY r.lease_expires_at, r.id
     RETURNING task_id, queue, attempt, worker_id, lease_expires_at, action
 """
+)
 
 RECOVERY_EVENTS_AFTER = """
     SELECT id, task_id, queue, action, attempt, worker_id, lease_expires_at, recovered_at

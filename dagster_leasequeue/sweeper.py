@@ -34,7 +34,8 @@ def sweep_expired(
             # order: a reader that remembers the last id it saw can never skip one.
             conn.execute(sql.ADVISORY_XACT_LOCK, lock_params)
             cursor = conn.cursor(row_factory=class_row(RecoveredTask))
-            rows = cursor.execute(statement, {"limit": size}).fetchall()
+            params = {"limit": size, "channel": sql.notify_channel(schema)}
+            rows = cursor.execute(statement, params).fetchall()
         recovered.extend(rows)
         if len(rows) < size:
             break

@@ -81,7 +81,7 @@ def _statements(config: BenchConfig, schema: str) -> dict[str, tuple[str, Mappin
         ),
         "package SWEEP_BATCH, limit=500": (
             lq_sql.compose(lq_sql.SWEEP_BATCH, schema),
-            {"limit": 500},
+            {"limit": 500, "channel": lq_sql.notify_channel(schema)},
         ),
     }
 

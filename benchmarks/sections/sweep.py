@@ -144,7 +144,8 @@ def explain_sweep(conn: psycopg.Connection[Any], schema: str, batch: int) -> Pla
     template = getattr(lq_sql, "SWEEP_BATCH", None)
     if template is None:
         return None
-    return explain(conn, lq_sql.compose(template, schema), {"limit": batch})
+    params = {"limit": batch, "channel": lq_sql.notify_channel(schema)}
+    return explain(conn, lq_sql.compose(template, schema), params)
 
 
 def explain(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> Plan | None:

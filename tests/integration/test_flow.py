@@ -348,6 +348,53 @@ def test_statements_finishing_tasks_of_shared_keys_never_deadlock(
     assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
 
 
+def test_a_sweep_and_an_ack_sharing_keys_never_deadlock(queue: LeaseQueue, dsn: str) -> None:
+    """An open transaction holds key a's count and then takes key b's, while a sweep
+    recovers an expired task of b and then one of a: counted row by row, in expiry order,
+    the sweep would hold b's row while waiting for a's, and PostgreSQL would abort one."""
+    b1, b2, a1, a2 = queue.enqueue_many(
+        [{"k": "b"}, {"k": "b"}, {"k": "a"}, {"k": "a"}],
+        queue="api",
+        concurrency_key=lambda p: p["k"],
+    )
+    leases = {lease.task_id: lease for lease in queue.claim_many(4, queue="api")}
+    run_sql(
+        queue,
+        "UPDATE {schema}.tasks SET lease_expires_at = clock_timestamp()"
+        " - make_interval(secs => CASE WHEN id = %(b1)s THEN 2 ELSE 1 END)"
+        " WHERE id IN (%(b1)s, %(a2)s)",
+        {"b1": b1, "a2": a2},
+    )
+    ack = sql.compose(sql.ACK, queue.schema)
+
+    def params(task_id: int) -> dict[str, Any]:
+        return {"task_id": task_id, "token": leases[task_id].token, "result": None}
+
+    errors: list[BaseException] = []
+    swept: list[int] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute(ack, params(a1))  # holds key a's row until it commits
+
+        def sweep() -> None:
+            try:
+                swept.extend(task.task_id for task in queue.sweep())
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        sweeping = threading.Thread(target=sweep)
+        sweeping.start()
+        time.sleep(0.5)  # the sweep now waits for key a's row
+        holder.execute(ack, params(b2))  # and this for key b's, if the sweep held it
+        holder.commit()
+        sweeping.join(timeout=30)
+    assert errors == []
+    assert sorted(swept) == sorted([b1, a2])
+    assert queue.stats("api").counts == {"done": 2, "enqueued": 2} | {
+        status: 0 for status in ("processing", "dead", "cancelled")
+    }
+    assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
+
+
 def test_a_claim_locks_the_keys_it_needs_not_every_key_it_looks_at(
     queue: LeaseQueue, dsn: str
 ) -> None:
