@@ -205,7 +205,8 @@ def wait_batch(
 def cancel_batch(driver: QueueDriver, batch_id: int, notify_channel: str) -> int:
     """Cancel the batch's unfinished tasks; return how many."""
     with driver.connection() as conn, conn.transaction():
-        row = conn.execute(driver.statement(sql.CANCEL_BATCH), {"batch_id": batch_id}).fetchone()
+        params = {"batch_id": batch_id, "channel": notify_channel}
+        row = conn.execute(driver.statement(sql.CANCEL_BATCH), params).fetchone()
         cancelled = int(row[0]) if row else 0
         if cancelled:
             conn.execute(sql.NOTIFY, {"channel": notify_channel, "payload": f"batch:{batch_id}"})

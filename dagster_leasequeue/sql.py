@@ -762,18 +762,30 @@ BATCH_RESULTS = """
     ORDER BY id
 """
 
+# The keys of the tasks it took out of processing are counted once per key, in key order,
+# as ack_many counts them: row by row, a cancel could deadlock with an ack of the same keys.
+# Each row's status before the cancel comes from the rows it locks first (RETURNING gives
+# only the new one).
 CANCEL_BATCH = (
     """
-    WITH cancelled AS (
-        UPDATE {schema}.tasks
+    WITH unfinished AS (
+        SELECT id, status FROM {schema}.tasks
+        WHERE batch_id = %(batch_id)s AND status IN ('enqueued', 'processing')
+        FOR UPDATE
+    ), cancelled AS (
+        UPDATE {schema}.tasks AS t
         SET status = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
             finished_at = clock_timestamp(), updated_at = clock_timestamp()
-        WHERE batch_id = %(batch_id)s AND status IN ('enqueued', 'processing')
-        RETURNING id, batch_id
+        FROM unfinished AS u
+        WHERE t.id = u.id
+        RETURNING t.id, t.batch_id, t.queue, t.concurrency_key, u.status AS was
 """
     + _COUNT_IN_BULK.format(column="cancelled", sign="+", changed="cancelled")
+    + """, was_running AS (SELECT * FROM cancelled WHERE was = 'processing')"""
+    + _COUNT_KEYS_IN_BULK.format(changed="was_running", tasks="-count(*)")
+    + _NOTIFY_KEYS_FREED
     + """
-    SELECT count(*) FROM cancelled
+    SELECT count(*) FROM cancelled CROSS JOIN keys_freed
 """
 )
 

@@ -395,6 +395,45 @@ def test_a_sweep_and_an_ack_sharing_keys_never_deadlock(queue: LeaseQueue, dsn: 
     assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
 
 
+def test_a_cancel_and_an_ack_sharing_keys_never_deadlock(queue: LeaseQueue, dsn: str) -> None:
+    """As above, with cancel_batch taking a batch's running tasks of key b and then of key a
+    out of processing, while an open transaction holds key a's count and then takes b's."""
+    batch = queue.enqueue_batch(
+        [{"k": "b"}, {"k": "a"}], queue="api", concurrency_key=lambda p: p["k"]
+    )
+    a1, b2 = queue.enqueue_many(
+        [{"k": "a"}, {"k": "b"}], queue="api", concurrency_key=lambda p: p["k"]
+    )
+    leases = {lease.task_id: lease for lease in queue.claim_many(4, queue="api")}
+    assert len(leases) == 4
+    ack = sql.compose(sql.ACK, queue.schema)
+
+    def params(task_id: int) -> dict[str, Any]:
+        return {"task_id": task_id, "token": leases[task_id].token, "result": None}
+
+    errors: list[BaseException] = []
+    cancelled: list[int] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute(ack, params(a1))  # holds key a's row until it commits
+
+        def cancel() -> None:
+            try:
+                cancelled.append(queue.cancel_batch(batch.id))
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        cancelling = threading.Thread(target=cancel)
+        cancelling.start()
+        time.sleep(0.5)  # the cancel now waits for key a's row
+        holder.execute(ack, params(b2))  # and this for key b's, if the cancel held it
+        holder.commit()
+        cancelling.join(timeout=30)
+    assert errors == []
+    assert cancelled == [2]
+    assert queue.batch(batch.id).cancelled == 2
+    assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
+
+
 def test_a_claim_locks_the_keys_it_needs_not_every_key_it_looks_at(
     queue: LeaseQueue, dsn: str
 ) -> None:
