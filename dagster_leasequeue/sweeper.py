@@ -26,6 +26,7 @@ def sweep_expired(
     """Recover expired leases batch after batch until none is left or ``limit`` is reached."""
     recovered: list[RecoveredTask] = []
     lock_params = {"namespace": sql.SWEEP_LOCK, "schema": schema}
+    channel = sql.notify_channel(schema)
     statement = sql.compose(sql.SWEEP_BATCH, schema)
     while limit is None or len(recovered) < limit:
         size = batch_size if limit is None else min(batch_size, limit - len(recovered))
@@ -34,8 +35,7 @@ def sweep_expired(
             # order: a reader that remembers the last id it saw can never skip one.
             conn.execute(sql.ADVISORY_XACT_LOCK, lock_params)
             cursor = conn.cursor(row_factory=class_row(RecoveredTask))
-            params = {"limit": size, "channel": sql.notify_channel(schema)}
-            rows = cursor.execute(statement, params).fetchall()
+            rows = cursor.execute(statement, {"limit": size, "channel": channel}).fetchall()
         recovered.extend(rows)
         if len(rows) < size:
             break

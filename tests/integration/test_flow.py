@@ -9,12 +9,13 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 
-from dagster_leasequeue import ConfigurationError, LeaseQueue, sql
+from dagster_leasequeue import ConfigurationError, Lease, LeaseQueue, sql
 
 from ..helpers import expire, run_sql
 
@@ -309,6 +310,36 @@ def test_the_resource_passes_the_concurrency_key_through(dsn: str, schema_name: 
     assert rows == [("a",), ("b",), ("c",)]
 
 
+def crossing_an_open_ack(
+    queue: LeaseQueue, dsn: str, first: Lease, then: Lease, statement: Callable[[], object]
+) -> list[BaseException]:
+    """Run ``statement`` in a thread while an open transaction acks ``first`` (holding its
+    key's row), waits for ``statement`` to block on that row, then acks ``then`` (taking the
+    other key's row) and commits: what the statement raised, a deadlock above all."""
+    ack = sql.compose(sql.ACK, queue.schema)
+
+    def params(lease: Lease) -> dict[str, Any]:
+        return {"task_id": lease.task_id, "token": lease.token, "result": None}
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            statement()
+        except BaseException as error:  # returned to the test
+            errors.append(error)
+
+    with psycopg.connect(dsn) as holder:
+        holder.execute(ack, params(first))  # holds first's key row until it commits
+        running = threading.Thread(target=run)
+        running.start()
+        time.sleep(0.5)  # the statement now waits for that row
+        holder.execute(ack, params(then))  # and this for the other key's, if it held it
+        holder.commit()
+        running.join(timeout=30)
+    return errors
+
+
 def test_statements_finishing_tasks_of_shared_keys_never_deadlock(
     queue: LeaseQueue, dsn: str
 ) -> None:
@@ -322,28 +353,11 @@ def test_statements_finishing_tasks_of_shared_keys_never_deadlock(
         concurrency_key=lambda p: p["k"],
     )
     leases = {lease.task_id: lease for lease in queue.claim_many(4, queue="api")}
-    ack = sql.compose(sql.ACK, queue.schema)
 
-    def params(task_id: int) -> dict[str, Any]:
-        return {"task_id": task_id, "token": leases[task_id].token, "result": None}
+    def ack_many() -> None:
+        queue.ack_many([leases[b1], leases[a2]])
 
-    errors: list[BaseException] = []
-    with psycopg.connect(dsn) as holder:
-        holder.execute(ack, params(a1))  # holds key a's row until it commits
-
-        def ack_many() -> None:
-            try:
-                queue.ack_many([leases[b1], leases[a2]])
-            except BaseException as error:  # reported below
-                errors.append(error)
-
-        acking = threading.Thread(target=ack_many)
-        acking.start()
-        time.sleep(0.5)  # ack_many now waits for key a's row
-        holder.execute(ack, params(b2))  # and this for key b's, if ack_many held it
-        holder.commit()
-        acking.join(timeout=30)
-    assert errors == []
+    assert crossing_an_open_ack(queue, dsn, leases[a1], leases[b2], ack_many) == []
     assert queue.stats("api").counts["done"] == 4
     assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
 
@@ -365,29 +379,12 @@ def test_a_sweep_and_an_ack_sharing_keys_never_deadlock(queue: LeaseQueue, dsn: 
         " WHERE id IN (%(b1)s, %(a2)s)",
         {"b1": b1, "a2": a2},
     )
-    ack = sql.compose(sql.ACK, queue.schema)
-
-    def params(task_id: int) -> dict[str, Any]:
-        return {"task_id": task_id, "token": leases[task_id].token, "result": None}
-
-    errors: list[BaseException] = []
     swept: list[int] = []
-    with psycopg.connect(dsn) as holder:
-        holder.execute(ack, params(a1))  # holds key a's row until it commits
 
-        def sweep() -> None:
-            try:
-                swept.extend(task.task_id for task in queue.sweep())
-            except BaseException as error:  # reported below
-                errors.append(error)
+    def sweep() -> None:
+        swept.extend(task.task_id for task in queue.sweep())
 
-        sweeping = threading.Thread(target=sweep)
-        sweeping.start()
-        time.sleep(0.5)  # the sweep now waits for key a's row
-        holder.execute(ack, params(b2))  # and this for key b's, if the sweep held it
-        holder.commit()
-        sweeping.join(timeout=30)
-    assert errors == []
+    assert crossing_an_open_ack(queue, dsn, leases[a1], leases[b2], sweep) == []
     assert sorted(swept) == sorted([b1, a2])
     assert queue.stats("api").counts == {"done": 2, "enqueued": 2} | {
         status: 0 for status in ("processing", "dead", "cancelled")
@@ -406,29 +403,12 @@ def test_a_cancel_and_an_ack_sharing_keys_never_deadlock(queue: LeaseQueue, dsn:
     )
     leases = {lease.task_id: lease for lease in queue.claim_many(4, queue="api")}
     assert len(leases) == 4
-    ack = sql.compose(sql.ACK, queue.schema)
-
-    def params(task_id: int) -> dict[str, Any]:
-        return {"task_id": task_id, "token": leases[task_id].token, "result": None}
-
-    errors: list[BaseException] = []
     cancelled: list[int] = []
-    with psycopg.connect(dsn) as holder:
-        holder.execute(ack, params(a1))  # holds key a's row until it commits
 
-        def cancel() -> None:
-            try:
-                cancelled.append(queue.cancel_batch(batch.id))
-            except BaseException as error:  # reported below
-                errors.append(error)
+    def cancel() -> None:
+        cancelled.append(queue.cancel_batch(batch.id))
 
-        cancelling = threading.Thread(target=cancel)
-        cancelling.start()
-        time.sleep(0.5)  # the cancel now waits for key a's row
-        holder.execute(ack, params(b2))  # and this for key b's, if the cancel held it
-        holder.commit()
-        cancelling.join(timeout=30)
-    assert errors == []
+    assert crossing_an_open_ack(queue, dsn, leases[a1], leases[b2], cancel) == []
     assert cancelled == [2]
     assert queue.batch(batch.id).cancelled == 2
     assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
