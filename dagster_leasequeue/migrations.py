@@ -128,15 +128,9 @@ _BATCH_STRIPE = f"""
     $$
 """
 
-_COUNT_BATCH_TASK_V8 = f"""
-    CREATE OR REPLACE FUNCTION {{schema}}.count_batch_task() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-    DECLARE
-        v_stripe smallint := {{schema}}.batch_stripe();
-        v_left bigint;
-    BEGIN
-{_STRIPE_UPDATE}        WHERE batch_id = NEW.batch_id AND stripe = v_stripe;
-        IF NEW.status NOT IN ('done', 'dead', 'cancelled') THEN
+# After the count: nothing more unless the task finished and none of its batch is still
+# enqueued, then the NOTIFY when at most BATCH_NOTIFY_TAIL tasks are left.
+_END_OF_BATCH_CHECK = f"""        IF NEW.status NOT IN ('done', 'dead', 'cancelled') THEN
             RETURN NULL;
         END IF;
         -- In the batch index's order, which no other index gives: a plan over the
@@ -148,6 +142,70 @@ _COUNT_BATCH_TASK_V8 = f"""
             RETURN NULL;
         END IF;
 {_NOTIFY_NEAR_THE_END}"""
+
+_COUNT_BATCH_TASK_V8 = f"""
+    CREATE OR REPLACE FUNCTION {{schema}}.count_batch_task() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        v_stripe smallint := {{schema}}.batch_stripe();
+        v_left bigint;
+    BEGIN
+{_STRIPE_UPDATE}        WHERE batch_id = NEW.batch_id AND stripe = v_stripe;
+{_END_OF_BATCH_CHECK}"""
+
+# Migration 14: a stripe held for the session. Searching for a free stripe on every finish
+# took an advisory lock per transaction, and the lock manager's traffic slowed the workers'
+# acks; a session now takes a stripe once, with a session-level advisory lock, and names it
+# in the session setting BATCH_STRIPE_SETTING, so a finish reads a setting. Session stripes
+# are numbered apart from the BATCH_STRIPES made with each batch (which the statements that
+# count in bulk, and every transaction once all session stripes are held, still search
+# among), and a session's stripe row is made by its first finish in the batch. A session
+# that resets its settings and locks together (RESET ALL and pg_advisory_unlock_all(), as a
+# pooled session's reset does) takes a stripe again on its next finish. A stripe only
+# spreads the row locks: two sessions counting in one are still counted right.
+BATCH_STRIPE_SETTING = "leasequeue.batch_stripe"
+BATCH_SESSION_STRIPES = 64
+_BATCH_SESSION_STRIPE = f"""
+    CREATE FUNCTION {{schema}}.batch_session_stripe() RETURNS smallint
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        v_own int := mod(pg_backend_pid(), {BATCH_SESSION_STRIPES});
+        v_stripe int;
+    BEGIN
+        FOR i IN 0..{BATCH_SESSION_STRIPES - 1} LOOP
+            v_stripe := {BATCH_STRIPES} + mod(v_own + i, {BATCH_SESSION_STRIPES});
+            IF pg_try_advisory_lock({BATCH_STRIPE_LOCK_CLASS}, v_stripe) THEN
+                PERFORM set_config('{BATCH_STRIPE_SETTING}', v_stripe::text, false);
+                RETURN v_stripe;
+            END IF;
+        END LOOP;
+        RETURN NULL;
+    END
+    $$
+"""
+
+# An ack (to done, from a status not counted) adds one, with nothing to compute. Any other
+# change, and a session's first count in the batch, make the stripe's row if it is missing
+# and go through the general update.
+_COUNT_BATCH_TASK_V14 = f"""
+    CREATE OR REPLACE FUNCTION {{schema}}.count_batch_task() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        v_stripe smallint := coalesce(
+            nullif(current_setting('{BATCH_STRIPE_SETTING}', true), '')::smallint,
+            {{schema}}.batch_session_stripe(), {{schema}}.batch_stripe());
+        v_left bigint;
+    BEGIN
+        IF NEW.status = 'done' AND OLD.status NOT IN ('done', 'dead', 'cancelled') THEN
+            UPDATE {{schema}}.batch_counts SET done = done + 1, changed_at = clock_timestamp()
+            WHERE batch_id = NEW.batch_id AND stripe = v_stripe;
+        END IF;
+        IF NOT FOUND THEN
+            INSERT INTO {{schema}}.batch_counts (batch_id, stripe)
+            VALUES (NEW.batch_id, v_stripe) ON CONFLICT DO NOTHING;
+{indent(_STRIPE_UPDATE, "    ")}            WHERE batch_id = NEW.batch_id AND stripe = v_stripe;
+        END IF;
+{_END_OF_BATCH_CHECK}"""
 
 # A batch's running tasks, for batch(). A plain index scan marks the entries of tasks
 # finished since the last vacuum as dead while it passes them, so the next call skips
@@ -1090,6 +1148,11 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         13, "claim_one(): the plain claim of one task, planned once per session", (_CLAIM_ONE,)
+    ),
+    Migration(
+        14,
+        "batch counts: a stripe held for the session, and an ack's count with nothing to compute",
+        (_BATCH_SESSION_STRIPE, _COUNT_BATCH_TASK_V14),
     ),
 )
 

@@ -735,7 +735,7 @@ ENQUEUE_BATCH_KEYED = """
 SET_BATCH_TOTAL = "UPDATE {schema}.batches SET total = %(total)s WHERE id = %(batch_id)s"
 NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
 
-# A batch's state from its counters (16 rows) and its running tasks (an index range, as
+# A batch's state from its counters (a row per stripe) and its running tasks (an index range, as
 # long as the workers are many): the same cost at 10 tasks or a million.
 _BATCH_INFO = """
     SELECT b.id, b.name, b.queue, b.total, b.created_at,

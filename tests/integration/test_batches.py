@@ -238,6 +238,83 @@ def test_open_transactions_finishing_tasks_of_one_batch_do_not_wait_on_each_othe
     assert info.counts == statuses_of(queue, batch.id)
 
 
+def _stripes_counted(queue: LeaseQueue, batch_id: int) -> dict[int, int]:
+    """The batch's stripes that counted a finish, and what each counted."""
+    rows = run_sql(
+        queue,
+        "SELECT stripe, done FROM {schema}.batch_counts WHERE batch_id = %(id)s AND done > 0",
+        {"id": batch_id},
+    )
+    return {int(stripe): int(done) for stripe, done in rows}
+
+
+def _ack_each_in_a_transaction(queue: LeaseQueue, conn: psycopg.Connection[Any]) -> None:
+    ack = sql.compose(sql.ACK, queue.schema)
+    while (lease := queue.claim(queue="docs")) is not None:
+        conn.execute(ack, {"task_id": lease.task_id, "token": lease.token, "result": None})
+        conn.commit()
+
+
+def _session_stripes_held(conn: psycopg.Connection[Any]) -> list[int]:
+    rows = conn.execute(
+        "SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        " AND classid = %s AND objsubid = 2",
+        (migrations.BATCH_STRIPE_LOCK_CLASS,),
+    ).fetchall()
+    return sorted(int(objid) for (objid,) in rows)
+
+
+def test_a_session_counts_its_finishes_in_a_stripe_it_holds_for_its_life(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    """No search for a free stripe per transaction: the session's first finish takes one,
+    numbered apart from the batch's own stripes, and keeps it after its commits."""
+    batch = queue.enqueue_batch(({"n": n} for n in range(5)), queue="docs")
+    with psycopg.connect(dsn) as conn:
+        _ack_each_in_a_transaction(queue, conn)
+        held = _session_stripes_held(conn)
+    ((stripe, done),) = _stripes_counted(queue, batch.id).items()
+    assert done == 5 and held == [stripe]
+    assert stripe >= migrations.BATCH_STRIPES
+    info = queue.batch(batch.id)
+    assert info.finished and info.counts == statuses_of(queue, batch.id)
+
+
+def test_a_session_reset_between_finishes_takes_a_stripe_again(queue: LeaseQueue, dsn: str) -> None:
+    batch = queue.enqueue_batch(({"n": n} for n in range(4)), queue="docs")
+    ack = sql.compose(sql.ACK, queue.schema)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(2):
+            lease = queue.claim(queue="docs")
+            assert lease is not None
+            conn.execute(ack, {"task_id": lease.task_id, "token": lease.token, "result": None})
+            assert len(_session_stripes_held(conn)) == 1
+            conn.execute("RESET ALL")
+            conn.execute("SELECT pg_advisory_unlock_all()")
+            assert _session_stripes_held(conn) == []
+        conn.autocommit = False
+        _ack_each_in_a_transaction(queue, conn)
+    info = queue.batch(batch.id)
+    assert info.finished and info.done == 4
+    assert info.counts == statuses_of(queue, batch.id)
+
+
+def test_with_every_session_stripe_held_a_finish_counts_in_a_stripe_of_the_batch(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    batch = queue.enqueue_batch(({"n": n} for n in range(3)), queue="docs")
+    first = migrations.BATCH_STRIPES
+    with psycopg.connect(dsn, autocommit=True) as holder, psycopg.connect(dsn) as conn:
+        for stripe in range(first, first + migrations.BATCH_SESSION_STRIPES):
+            holder.execute(
+                "SELECT pg_advisory_lock(%s, %s)", (migrations.BATCH_STRIPE_LOCK_CLASS, stripe)
+            )
+        _ack_each_in_a_transaction(queue, conn)
+    counted = _stripes_counted(queue, batch.id)
+    assert sum(counted.values()) == 3 and all(stripe < first for stripe in counted)
+    assert queue.batch(batch.id).finished
+
+
 def test_wait_batch_returns_the_unfinished_state_at_its_timeout(queue: LeaseQueue) -> None:
     batch = queue.enqueue_batch([{"n": 1}], queue="docs")
     started = time.monotonic()
