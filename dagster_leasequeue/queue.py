@@ -709,7 +709,9 @@ class LeaseQueue:
         return {
             "task_ids": [lease.task_id for lease in held],
             "tokens": [lease.token for lease in held],
-            "results": encoded,
+            # No results: a NULL array, which unnest() reads as a NULL for every task,
+            # not an array of NULLs to write out.
+            "results": None if all(r is None for r in encoded) else encoded,
             "channel": sql.notify_channel(self.schema),
         }
 

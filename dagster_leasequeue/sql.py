@@ -11,6 +11,7 @@ The schema's migrations live apart, in :mod:`dagster_leasequeue.migrations`.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 from psycopg import sql
@@ -975,14 +976,30 @@ def notify_channel(schema: str) -> str:
 @lru_cache(maxsize=256)
 def compose_claim(schema: str, limit: int) -> str:
     """The claim statement for ``schema`` with ``limit`` written in as a literal."""
-    return _render(CLAIM_ONE if limit == 1 else CLAIM_MANY, schema, limit=sql.Literal(limit))
+    return _unindented(
+        _render(CLAIM_ONE if limit == 1 else CLAIM_MANY, schema, limit=sql.Literal(limit))
+    )
 
 
 @lru_cache(maxsize=256)
 def compose_ack_and_claim(schema: str, limit: int, *, many: bool) -> str:
     """Ack one lease (ACK_AND_CLAIM) or ``many`` (ACK_MANY_AND_CLAIM), then claim ``limit``."""
     template = ACK_MANY_AND_CLAIM if many else ACK_AND_CLAIM
-    return _render(template, schema, limit=sql.Literal(limit))
+    return _unindented(_render(template, schema, limit=sql.Literal(limit)))
+
+
+def _unindented(statement: str) -> str:
+    """``statement`` without its lines' indentation, for a statement sent on every task.
+
+    psycopg keeps the conversion of a query to PostgreSQL's placeholders only for queries of
+    up to 4,096 characters (psycopg._queries.MAX_CACHED_STATEMENT_LENGTH); a longer one is
+    converted again on every call. ACK_MANY_AND_CLAIM is longer as written, shorter without
+    its indentation. The statements have no string literal that spans lines.
+    """
+    return _INDENTATION.sub("\n", statement)
+
+
+_INDENTATION = re.compile(r"\n[ \t]+")
 
 
 def compose_claim_flow(schema: str, limit: int) -> str:

@@ -107,6 +107,17 @@ def test_ack_many_and_claim_acks_a_batch_and_claims_the_next(queue: LeaseQueue) 
     assert queue.get(ids[7]).result == {"n": 7}
 
 
+def test_acks_of_many_store_each_result_given_and_none_where_none_was(
+    queue: LeaseQueue,
+) -> None:
+    ids = queue.enqueue_many([{"n": n} for n in range(6)])
+    leases = queue.ack_many_and_claim(queue.claim_many(2), limit=2)  # no results at all
+    leases = queue.ack_many_and_claim(leases, [None, {"n": 3}], limit=2)
+    queue.ack_many(leases, [{"n": 4}, None])
+    assert [queue.get(i).result for i in ids] == [None, None, None, {"n": 3}, {"n": 4}, None]
+    assert statuses(queue) == {"done": 6}
+
+
 def test_ack_many_and_claim_with_a_lost_lease_acks_the_rest_and_claims_nothing(
     queue: LeaseQueue,
 ) -> None:

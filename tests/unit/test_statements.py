@@ -113,3 +113,21 @@ def test_the_columns_the_hot_paths_read_by_position() -> None:
         "(SELECT result FROM previous)",
         "(SELECT count(*) FROM abandoned)",
     ]
+
+
+def test_the_statements_sent_for_every_task_keep_their_conversion_in_psycopg() -> None:
+    """psycopg converts a query's placeholders again on every call once it is longer than
+    this (and keeps the conversion otherwise): the worker loop's statements stay within."""
+    from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
+
+    schema = "leasequeue"  # the default schema name
+    hot = {
+        "claim one": sql.compose_claim(schema, 1),
+        "claim many": sql.compose_claim(schema, 100),
+        "ack and claim": sql.compose_ack_and_claim(schema, 1, many=False),
+        "ack many and claim": sql.compose_ack_and_claim(schema, 100, many=True),
+        "ack": sql.compose(sql.ACK, schema),
+        "ack many": sql.compose(sql.ACK_MANY, schema),
+    }
+    too_long = {name: len(text) for name, text in hot.items()}
+    assert all(length <= MAX_CACHED_STATEMENT_LENGTH for length in too_long.values()), too_long
