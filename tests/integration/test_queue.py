@@ -441,3 +441,19 @@ def test_purge_looks_again_at_a_row_that_changed_while_it_waited(
     assert purged() == 0
     lease = queue.claim()
     assert lease is not None and lease.task_id == task_id
+
+
+def test_the_triggers_conditions_are_small_for_every_statement_to_prepare(
+    queue: LeaseQueue,
+) -> None:
+    """A trigger's WHEN clause is read from its stored text and prepared again in every
+    statement that sets a status: each is a NULL test and one call, not a long expression."""
+    rows = run_sql(
+        queue,
+        "SELECT t.tgname, length(t.tgqual::text) FROM pg_trigger AS t"
+        " WHERE t.tgrelid = %(tasks)s::regclass AND NOT t.tgisinternal",
+        {"tasks": f'"{queue.schema}".tasks'},
+    )
+    conditions = {str(name): int(length) for name, length in rows}
+    assert set(conditions) == {"tasks_batch_counts", "tasks_key_running"}
+    assert all(length < 1000 for length in conditions.values()), conditions
