@@ -58,6 +58,13 @@ def test_the_worker_role_runs_claim_ack_renew_attempt_and_sweep(
         failing.fail("retry me", retry_in=0)
         assert worker.stats().counts["done"] == 1
         assert worker.get(ids[0]).status == "done"
+        # A batch's tasks and keyed ones, each counted by a trigger as the worker finishes
+        # them (a stripe row of the worker's session made on its first finish).
+        batch = worker.enqueue_batch([{"n": 10}, {"n": 11}], queue="docs")
+        worker.enqueue({"n": 12}, queue="docs", concurrency_key="customer-1")
+        while (held := worker.claim(queue="docs")) is not None:
+            held.ack()
+        assert worker.batch(batch.id).finished
         # What it must not do.
         for forbidden in (
             lambda: worker.purge(0),
@@ -67,4 +74,4 @@ def test_the_worker_role_runs_claim_ack_renew_attempt_and_sweep(
         ):
             with pytest.raises(LeaseQueueError, match=r"permission denied|must be owner"):
                 forbidden()
-    assert run_sql(queue, "SELECT count(*) FROM {schema}.tasks")[0][0] == 4
+    assert run_sql(queue, "SELECT count(*) FROM {schema}.tasks")[0][0] == 7
