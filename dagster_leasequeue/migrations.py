@@ -61,7 +61,8 @@ _ATTEMPT_IDENTITY = """
 #
 # A statement that changes many tasks of a batch at once (ack_many, cancel_batch,
 # retry_dead) counts them itself, once per batch, and says so with BULK_MARKER in its
-# text, which the trigger's WHEN clause reads with current_query(): row by row, its
+# text, which the trigger's condition reads with current_query() (in its WHEN clause;
+# from migration 15, in batch_change_counted()): row by row, its
 # updates of one stripe row would pile up versions of that row that the transaction
 # cannot prune, each update slower than the last. The marker holds for that statement
 # alone, whatever transaction it runs in. (Code from before migration 8 set the
@@ -223,7 +224,8 @@ _BATCH_PROCESSING = """
 
 # The WHEN clause is evaluated without calling the function: tasks outside a batch,
 # changes between enqueued and processing, and statements that count in bulk cost
-# nothing here.
+# nothing here. (Its preparation, in every statement that sets a status, did cost: see
+# migration 15.)
 _BATCH_COUNTS_TRIGGER_V8 = f"""
     CREATE TRIGGER tasks_batch_counts
         AFTER UPDATE OF status ON {{schema}}.tasks
