@@ -21,7 +21,14 @@ from typing import Any
 import psycopg
 import pytest
 
-from dagster_leasequeue import Lease, LeaseLost, LeaseQueue, LeaseQueueError, LeaseQueueSettings
+from dagster_leasequeue import (
+    Lease,
+    LeaseLost,
+    LeaseQueue,
+    LeaseQueueError,
+    LeaseQueueSettings,
+    migrations,
+)
 from dagster_leasequeue.sql import listen_statement
 
 from .. import pgbouncer
@@ -45,12 +52,16 @@ _TRACKED_BY_PGBOUNCER = (
     "standard_conforming_strings",
     "application_name",
 )
+# The stripe a server session counts its batches' finishes in (migration 14) belongs to
+# that server session, with the advisory lock it names: every client's transaction on it
+# counts there, rightly. It is the one setting of ours meant to stay.
+_SERVER_SESSIONS_OWN = (migrations.BATCH_STRIPE_SETTING,)
 _SESSION_SETTINGS = (
     "SELECT pg_backend_pid(), "
     + ", ".join(f"current_setting('{name}')" for name in WATCHED[2:])
     + ", coalesce(array_agg(name || '=' || setting) FILTER (WHERE source = 'session'"
     + " AND name <> ALL(ARRAY["
-    + ", ".join(f"'{name}'" for name in _TRACKED_BY_PGBOUNCER)
+    + ", ".join(f"'{name}'" for name in _TRACKED_BY_PGBOUNCER + _SERVER_SESSIONS_OWN)
     + "])), '{}') FROM pg_settings"
 )
 
@@ -368,6 +379,39 @@ def test_enqueue_claim_sweep_purge_and_install_work(
     assert queue.stats().counts["done"] == 4
     assert queue.purge(older_than=0) == 4
     assert queue.stats().total == 0
+
+
+def test_a_batch_acked_by_clients_sharing_server_connections_is_counted_right(
+    bouncer: PgBouncer, make_queue: Callable[..., LeaseQueue]
+) -> None:
+    """A batch task's ack counts in the stripe of the server connection it ran on (a
+    session-level advisory lock and the setting that names it): whichever client's
+    transaction gets that connection next counts in the same stripe, as it should, since
+    the stripe belongs to the server session. That setting is the only one a server
+    connection keeps."""
+    producer = make_queue()
+    batch = producer.enqueue_batch(({"n": n} for n in range(200)), queue="docs")
+
+    def drain(queue: LeaseQueue) -> None:
+        while (lease := queue.claim(queue="docs")) is not None:
+            lease.ack()
+
+    queues = [make_queue() for _ in range(4)]
+    threads = [threading.Thread(target=drain, args=(queue,)) for queue in queues]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    info = producer.batch(batch.id)
+    assert info.finished and info.done == 200 and info.total == 200
+    with client(bouncer) as other:
+        for _ in range(2 * DEFAULT_POOL_SIZE):
+            assert session_settings(other) == []
+            kept = other.execute(
+                "SELECT array_agg(name) FROM pg_settings"
+                " WHERE source = 'session' AND name LIKE 'leasequeue.%'"
+            ).fetchone()
+            assert kept is not None and kept[0] in (None, list(_SERVER_SESSIONS_OWN))
 
 
 def test_listen_gets_no_notification_through_pgbouncer(
