@@ -340,6 +340,16 @@ def crossing_an_open_ack(
     return errors
 
 
+def _two_keys_claimed(queue: LeaseQueue) -> tuple[list[int], dict[int, Lease]]:
+    """Two tasks of key b, then two of key a, all claimed: their ids, and leases by id."""
+    ids = queue.enqueue_many(
+        [{"k": "b"}, {"k": "b"}, {"k": "a"}, {"k": "a"}],
+        queue="api",
+        concurrency_key=lambda p: p["k"],
+    )
+    return ids, {lease.task_id: lease for lease in queue.claim_many(4, queue="api")}
+
+
 def test_statements_finishing_tasks_of_shared_keys_never_deadlock(
     queue: LeaseQueue, dsn: str
 ) -> None:
@@ -347,12 +357,7 @@ def test_statements_finishing_tasks_of_shared_keys_never_deadlock(
     acks tasks of b and a: counted row by row, the two would each hold one key's row
     while waiting for the other's, and PostgreSQL would abort one."""
     # Key b's tasks first: a statement over many rows changes them in id order.
-    b1, b2, a1, a2 = queue.enqueue_many(
-        [{"k": "b"}, {"k": "b"}, {"k": "a"}, {"k": "a"}],
-        queue="api",
-        concurrency_key=lambda p: p["k"],
-    )
-    leases = {lease.task_id: lease for lease in queue.claim_many(4, queue="api")}
+    (b1, b2, a1, a2), leases = _two_keys_claimed(queue)
 
     def ack_many() -> None:
         queue.ack_many([leases[b1], leases[a2]])
@@ -366,12 +371,7 @@ def test_a_sweep_and_an_ack_sharing_keys_never_deadlock(queue: LeaseQueue, dsn: 
     """An open transaction holds key a's count and then takes key b's, while a sweep
     recovers an expired task of b and then one of a: counted row by row, in expiry order,
     the sweep would hold b's row while waiting for a's, and PostgreSQL would abort one."""
-    b1, b2, a1, a2 = queue.enqueue_many(
-        [{"k": "b"}, {"k": "b"}, {"k": "a"}, {"k": "a"}],
-        queue="api",
-        concurrency_key=lambda p: p["k"],
-    )
-    leases = {lease.task_id: lease for lease in queue.claim_many(4, queue="api")}
+    (b1, b2, a1, a2), leases = _two_keys_claimed(queue)
     run_sql(
         queue,
         "UPDATE {schema}.tasks SET lease_expires_at = clock_timestamp()"
