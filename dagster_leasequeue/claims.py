@@ -75,12 +75,15 @@ class Claims:
         acks: Mapping[str, Any],
         limit: int,
         params: Mapping[str, Any],
+        *,
+        keyless: bool = False,
     ) -> tuple[set[int], list[Row]]:
         """Ack one lease (``acks``: ACK's parameters) or many (ACK_MANY's), then, if every
         fence held, claim up to ``limit`` tasks, all in one commit.
 
         Returns the acked tasks' ids and the claimed rows. A plain queue takes one
-        statement; a controlled one an ack and a ``claim_flow()`` in one transaction.
+        statement (a leaner one for one lease known to have no concurrency key:
+        ``keyless``); a controlled one an ack and a ``claim_flow()`` in one transaction.
         """
         schema, queue = self._driver.schema, params["queue"]
         many = "task_ids" in acks
@@ -92,7 +95,7 @@ class Claims:
                     return acked, []
                 statement = sql.compose_claim_flow(schema, limit)
                 return acked, conn.execute(statement, params).fetchall()
-        statement = sql.compose_ack_and_claim(schema, limit, many=many)
+        statement = sql.compose_ack_and_claim(schema, limit, many=many, keyless=keyless)
         rows = conn.execute(statement, {**params, **acks}).fetchall()
         acked = {int(row[0]) for row in rows if row[1] is None}
         claimed = [row for row in rows if row[1] is not None]

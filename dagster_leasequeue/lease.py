@@ -58,6 +58,7 @@ class Lease:
         idempotency_key: str | None,
         lease_seconds: float,
         claimed_at: float,
+        keyless: bool = False,
     ) -> None:
         self._driver = driver
         self.task_id = task_id
@@ -71,6 +72,8 @@ class Lease:
         self.worker_id = worker_id
         self.idempotency_key = idempotency_key
         self.lease_seconds = lease_seconds
+        # Known to have no concurrency key: its ack_and_claim takes the leaner statement.
+        self._keyless = keyless
         self._lock = threading.Lock()
         self._outcome: str | None = None
         # Set by the renewal thread, read by the worker; a plain attribute suffices.
@@ -173,7 +176,7 @@ class Lease:
             self._refuse_if_finished("ack")
             sent = time.monotonic()
             acked, rows = claims.ack_and_claim(
-                conn, self._fence_params() | {"result": encoded}, 1, params
+                conn, self._fence_params() | {"result": encoded}, 1, params, keyless=self._keyless
             )
             if not acked:
                 self._raise_lost_on(conn, "ack")
@@ -343,12 +346,18 @@ class Lease:
         return row is not None and row[1] == self.token and row[0] != "processing"
 
 
+# Where a plain claim's row has its task's concurrency key.
+_KEY_COLUMN = 11
+
+
 def leases_from_rows(
     driver: QueueDriver, rows: Iterable[Row], *, queue: str, worker_id: str, sent: float
 ) -> list[Lease]:
     """The leases of a claim's rows, in claim order; ``sent`` is when the claim was sent.
 
-    Rows without a task (a rate-limited queue's word on its next token) are left out.
+    Rows without a task (a rate-limited queue's word on its next token) are left out. The
+    plain claims' rows end with the task's concurrency key (claim_one()'s and claim_flow()'s,
+    whose columns a migration fixed, do not): a lease is keyless only when that says so.
     """
     return [
         Lease(
@@ -365,6 +374,7 @@ def leases_from_rows(
             idempotency_key=row[7],
             lease_seconds=row[8],
             claimed_at=sent,
+            keyless=len(row) > _KEY_COLUMN and row[_KEY_COLUMN] is None,
         )
         for row in in_claim_order([row for row in rows if row[0] is not None])
     ]

