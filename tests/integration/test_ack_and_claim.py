@@ -4,6 +4,7 @@ ack_many_and_claim, on plain and controlled queues."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -157,6 +158,58 @@ def test_batch_tasks_acked_by_either_are_counted_and_finish_the_batch(queue: Lea
         leases = queue.ack_many_and_claim(leases, limit=7)
     info = queue.batch(batch.id)
     assert (info.done, info.finished) == (30, True)
+
+
+def test_an_ack_and_claim_rolled_back_by_a_deadlock_is_sent_again_and_goes_through(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    leased = queue.enqueue({"n": "leased"}, priority=2)
+    waiting = queue.enqueue({"n": "next"}, priority=1)
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == leased
+    outcome: list[object] = []
+
+    def conclude() -> None:
+        try:
+            outcome.append(lease.ack_and_claim())
+        except BaseException as exc:  # reported below, in the test's thread
+            outcome.append(exc)
+
+    tasks = f'"{queue.schema}".tasks'
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as observer:
+        # The holder waits longer before it looks for a deadlock, so the worker's
+        # statement is the one the server rolls back.
+        holder.execute("SET deadlock_timeout = '30s'")
+        holder.execute(f"SELECT 1 FROM {tasks} WHERE id = %s FOR UPDATE", (leased,))
+        thread = threading.Thread(target=conclude)
+        thread.start()
+        # The statement has locked the next task and waits for the leased one...
+        _wait_until_a_statement_waits(observer, "acked AS")
+        # ...which the holder now waits for: a deadlock, which the worker's session
+        # finds and ends.
+        holder.execute(f"SELECT 1 FROM {tasks} WHERE id = %s FOR UPDATE", (waiting,))
+        # Sent again, the statement passes over the next task, the holder's now, and waits
+        # for the leased one until the holder lets go.
+        _wait_until_a_statement_waits(observer, "acked AS")
+        holder.rollback()
+    thread.join(timeout=30)
+    assert outcome == [None]
+    assert queue.get(leased).status == "done"
+    assert queue.get(waiting).status == "enqueued"
+
+
+def _wait_until_a_statement_waits(conn: psycopg.Connection[Any], text: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        waiting = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND strpos(query, %s) > 0",
+            (text,),
+        ).fetchone()
+        if waiting and waiting[0]:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no statement with {text!r} came to wait for a lock")
 
 
 @pytest.mark.parametrize("keyed_every", [1, 2], ids=["all keyed", "every other keyed"])
