@@ -380,8 +380,12 @@ class DatabaseErrors:
 
 _IDLE = pq.TransactionStatus.IDLE
 
-# How many times CachedConnection.execute sends again a statement rolled back by a conflict.
+# How many times CachedConnection.execute sends again a statement rolled back by a conflict:
+# a deadlock or a serialization failure (not the rest of SQLSTATE class 40: a constraint
+# that failed at commit fails again, and a statement whose completion is unknown may have
+# been done).
 CONFLICT_RETRIES = 3
+_CONFLICTS = frozenset({"40P01", "40001"})
 
 
 class Executor(Protocol):
@@ -430,7 +434,7 @@ class CachedConnection:
             try:
                 return cursor.execute(query, params)
             except psycopg.Error as exc:
-                conflict = (exc.sqlstate or "").startswith("40")
+                conflict = exc.sqlstate in _CONFLICTS
                 if not (conflict and retries and self.conn.pgconn.transaction_status == _IDLE):
                     raise
                 retries -= 1

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dagster_leasequeue import LeaseQueue, LeaseQueueSettings
+from dagster_leasequeue import LeaseQueue, LeaseQueueSettings, connection
 from dagster_leasequeue.embedded import embedded_dsn
 
 # The suite's own variables, kept when the package's settings are cleared.
@@ -100,3 +100,10 @@ def queue(make_queue: Callable[..., LeaseQueue]) -> LeaseQueue:
     q = make_queue()
     q.install()
     return q
+
+
+@pytest.fixture
+def conflicts_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Statements rolled back by a deadlock are not sent again: for the tests that show a
+    deadlock cannot happen, which sending again would hide."""
+    monkeypatch.setattr(connection, "CONFLICT_RETRIES", 0)

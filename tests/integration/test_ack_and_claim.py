@@ -9,8 +9,16 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
-from dagster_leasequeue import ConfigurationError, Lease, LeaseLost, LeaseQueue, run_worker
+from dagster_leasequeue import (
+    ConfigurationError,
+    Lease,
+    LeaseLost,
+    LeaseQueue,
+    LeaseQueueSettings,
+    run_worker,
+)
 
 from ..helpers import expire, run_sql
 
@@ -161,11 +169,17 @@ def test_batch_tasks_acked_by_either_are_counted_and_finish_the_batch(queue: Lea
 
 
 def test_an_ack_and_claim_rolled_back_by_a_deadlock_is_sent_again_and_goes_through(
-    queue: LeaseQueue, dsn: str
+    queue: LeaseQueue, dsn: str, settings: LeaseQueueSettings
 ) -> None:
     leased = queue.enqueue({"n": "leased"}, priority=2)
     waiting = queue.enqueue({"n": "next"}, priority=1)
-    lease = queue.claim()
+    # The worker looks for a deadlock 5 s into a wait, the holder only after a minute: the
+    # cycle is made well within the first, and the worker's statement is the one rolled
+    # back.
+    worker = LeaseQueue(
+        make_conninfo(dsn, options="-c deadlock_timeout=5s"), schema=queue.schema, settings=settings
+    )
+    lease = worker.claim()
     assert lease is not None and lease.task_id == leased
     outcome: list[object] = []
 
@@ -177,41 +191,42 @@ def test_an_ack_and_claim_rolled_back_by_a_deadlock_is_sent_again_and_goes_throu
 
     tasks = f'"{queue.schema}".tasks'
     with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as observer:
-        # The holder waits longer before it looks for a deadlock, so the worker's
-        # statement is the one the server rolls back.
-        holder.execute("SET deadlock_timeout = '30s'")
+        holder.execute("SET deadlock_timeout = '60s'")
         holder.execute(f"SELECT 1 FROM {tasks} WHERE id = %s FOR UPDATE", (leased,))
         thread = threading.Thread(target=conclude)
         thread.start()
         # The statement has locked the next task and waits for the leased one...
-        _wait_until_a_statement_waits(observer, "acked AS")
+        _wait_until_a_statement_waits(observer, tasks)
         # ...which the holder now waits for: a deadlock, which the worker's session
         # finds and ends.
         holder.execute(f"SELECT 1 FROM {tasks} WHERE id = %s FOR UPDATE", (waiting,))
         # Sent again, the statement passes over the next task, the holder's now, and waits
         # for the leased one until the holder lets go.
-        _wait_until_a_statement_waits(observer, "acked AS")
+        _wait_until_a_statement_waits(observer, tasks)
         holder.rollback()
     thread.join(timeout=30)
+    worker.close()
     assert outcome == [None]
     assert queue.get(leased).status == "done"
     assert queue.get(waiting).status == "enqueued"
 
 
-def _wait_until_a_statement_waits(conn: psycopg.Connection[Any], text: str) -> None:
+def _wait_until_a_statement_waits(conn: psycopg.Connection[Any], table: str) -> None:
+    """Until an ack_and_claim on ``table`` waits for a row lock."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         waiting = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE wait_event_type = 'Lock' AND strpos(query, %s) > 0",
-            (text,),
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND strpos(query, 'acked AS') > 0 AND strpos(query, %s) > 0",
+            (table,),
         ).fetchone()
         if waiting and waiting[0]:
             return
         time.sleep(0.02)
-    raise AssertionError(f"no statement with {text!r} came to wait for a lock")
+    raise AssertionError(f"no ack_and_claim on {table} came to wait for a lock")
 
 
+@pytest.mark.usefixtures("conflicts_not_retried")
 @pytest.mark.parametrize("keyed_every", [1, 2], ids=["all keyed", "every other keyed"])
 def test_workers_crossing_keys_never_deadlock_and_keep_counts_right(
     queue: LeaseQueue, keyed_every: int

@@ -350,6 +350,7 @@ def _two_keys_claimed(queue: LeaseQueue) -> tuple[list[int], dict[int, Lease]]:
     return ids, {lease.task_id: lease for lease in queue.claim_many(4, queue="api")}
 
 
+@pytest.mark.usefixtures("conflicts_not_retried")
 def test_statements_finishing_tasks_of_shared_keys_never_deadlock(
     queue: LeaseQueue, dsn: str
 ) -> None:
@@ -367,6 +368,7 @@ def test_statements_finishing_tasks_of_shared_keys_never_deadlock(
     assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
 
 
+@pytest.mark.usefixtures("conflicts_not_retried")
 def test_a_sweep_and_an_ack_sharing_keys_never_deadlock(queue: LeaseQueue, dsn: str) -> None:
     """An open transaction holds key a's count and then takes key b's, while a sweep
     recovers an expired task of b and then one of a: counted row by row, in expiry order,
@@ -392,6 +394,7 @@ def test_a_sweep_and_an_ack_sharing_keys_never_deadlock(queue: LeaseQueue, dsn: 
     assert run_sql(queue, "SELECT sum(running) FROM {schema}.flow_keys") == [(0,)]
 
 
+@pytest.mark.usefixtures("conflicts_not_retried")
 def test_a_cancel_and_an_ack_sharing_keys_never_deadlock(queue: LeaseQueue, dsn: str) -> None:
     """As above, with cancel_batch taking a batch's running tasks of key b and then of key a
     out of processing, while an open transaction holds key a's count and then takes b's."""
