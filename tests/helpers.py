@@ -42,6 +42,14 @@ def waits_for_a_lock(dsn: str, schema: str) -> bool:
     return row is not None and row[0] > 0
 
 
+def wait_for_a_lock_waiter(dsn: str, schema: str, timeout: float = 10) -> None:
+    """Until a session waits for a lock in a statement on the schema's tasks."""
+    deadline = time.monotonic() + timeout
+    while not waits_for_a_lock(dsn, schema):
+        assert time.monotonic() < deadline, "no call came to wait for a lock"
+        time.sleep(0.05)
+
+
 def start_blocked(dsn: str, schema: str, call: Callable[[], T]) -> Callable[[], T]:
     """Run ``call`` in a thread until it waits for a lock on the schema's tasks.
 
@@ -50,10 +58,7 @@ def start_blocked(dsn: str, schema: str, call: Callable[[], T]) -> Callable[[], 
     results: list[T] = []
     thread = threading.Thread(target=lambda: results.append(call()))
     thread.start()
-    deadline = time.monotonic() + 10
-    while not waits_for_a_lock(dsn, schema):
-        assert time.monotonic() < deadline, "the call never waited for a lock"
-        time.sleep(0.05)
+    wait_for_a_lock_waiter(dsn, schema)
 
     def finish() -> T:
         thread.join(timeout=30)

@@ -4,7 +4,6 @@ ack_many_and_claim, on plain and controlled queues."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import psycopg
@@ -20,7 +19,7 @@ from dagster_leasequeue import (
     run_worker,
 )
 
-from ..helpers import expire, run_sql
+from ..helpers import expire, run_sql, start_blocked, wait_for_a_lock_waiter
 
 
 def statuses(queue: LeaseQueue) -> dict[str, int]:
@@ -181,49 +180,31 @@ def test_an_ack_and_claim_rolled_back_by_a_deadlock_is_sent_again_and_goes_throu
     )
     lease = worker.claim()
     assert lease is not None and lease.task_id == leased
-    outcome: list[object] = []
 
-    def conclude() -> None:
+    def conclude() -> object:
         try:
-            outcome.append(lease.ack_and_claim())
+            return lease.ack_and_claim()
         except BaseException as exc:  # reported below, in the test's thread
-            outcome.append(exc)
+            return exc
 
     tasks = f'"{queue.schema}".tasks'
-    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as observer:
+    with psycopg.connect(dsn) as holder:
         holder.execute("SET deadlock_timeout = '60s'")
         holder.execute(f"SELECT 1 FROM {tasks} WHERE id = %s FOR UPDATE", (leased,))
-        thread = threading.Thread(target=conclude)
-        thread.start()
         # The statement has locked the next task and waits for the leased one...
-        _wait_until_a_statement_waits(observer, tasks)
+        finish = start_blocked(dsn, queue.schema, conclude)
         # ...which the holder now waits for: a deadlock, which the worker's session
         # finds and ends.
         holder.execute(f"SELECT 1 FROM {tasks} WHERE id = %s FOR UPDATE", (waiting,))
         # Sent again, the statement passes over the next task, the holder's now, and waits
         # for the leased one until the holder lets go.
-        _wait_until_a_statement_waits(observer, tasks)
+        wait_for_a_lock_waiter(dsn, queue.schema, timeout=30)
         holder.rollback()
-    thread.join(timeout=30)
+    outcome = finish()
     worker.close()
-    assert outcome == [None]
+    assert outcome is None
     assert queue.get(leased).status == "done"
     assert queue.get(waiting).status == "enqueued"
-
-
-def _wait_until_a_statement_waits(conn: psycopg.Connection[Any], table: str) -> None:
-    """Until an ack_and_claim on ``table`` waits for a row lock."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        waiting = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND strpos(query, 'acked AS') > 0 AND strpos(query, %s) > 0",
-            (table,),
-        ).fetchone()
-        if waiting and waiting[0]:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"no ack_and_claim on {table} came to wait for a lock")
 
 
 @pytest.mark.usefixtures("conflicts_not_retried")
