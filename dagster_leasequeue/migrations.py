@@ -255,10 +255,12 @@ _BATCH_COUNTS_TRIGGER_V8 = f"""
 #   reads the latest count, and its claims raise the count before it commits, so no two
 #   claimers both see room for the same slot. An expired lease still counts until the
 #   sweeper recovers its task;
-# - looks at the queue's due tasks in claim order, passing over those of keys without
-#   room; after FLOW_SCAN + 4 per task asked for, it looks up each waiting key's own
-#   first tasks through tasks_key_claim_idx instead, so a key with a long backlog held at
-#   its limit does not hide the tasks of other keys behind it.
+# - takes the first due tasks in claim order whose keys have room in one statement, as the
+#   plain claim does (migration 16); then, for the tasks still wanted, looks at the
+#   queue's due tasks in claim order, passing over those of keys without room; after
+#   FLOW_SCAN + 4 per task asked for, it looks up each waiting key's own first tasks
+#   through tasks_key_claim_idx instead, so a key with a long backlog held at its limit
+#   does not hide the tasks of other keys behind it.
 FLOW_SCAN = 64
 
 # A token bucket's level now: refilled at its rate since it was last read, up to its burst.
@@ -558,7 +560,20 @@ _PICKED_AND_LOOK_UP = (
 """
 )
 
-_LEASE_PICKS = """\
+# The update that leases claim_flow's picks (in its CTE ``leased``).
+_LEASE_TASKS = """\
+            UPDATE {schema}.tasks AS t
+            SET status = 'processing',
+                attempts = t.attempts + 1,
+                lease_token = nextval({lease_tokens}::regclass),
+                lease_expires_at = clock_timestamp()
+                    + make_interval(secs => coalesce(p_lease, t.lease_seconds,
+                                                     p_default_lease)),
+                worker_id = p_worker,
+                updated_at = clock_timestamp()
+"""
+_LEASE_PICKS = (
+    """\
         -- Lease the picks in claim order, up to the tasks asked for, in one statement that
         -- also counts them against their keys (whose rows this claim holds) and takes
         -- their tokens; the key trigger, told so, leaves them be.
@@ -571,16 +586,9 @@ _LEASE_PICKS = """\
             LIMIT v_want
             FOR UPDATE SKIP LOCKED
         ), leased AS (
-            UPDATE {schema}.tasks AS t
-            SET status = 'processing',
-                attempts = t.attempts + 1,
-                lease_token = nextval({lease_tokens}::regclass),
-                lease_expires_at = clock_timestamp()
-                    + make_interval(secs => coalesce(p_lease, t.lease_seconds,
-                                                     p_default_lease)),
-                worker_id = p_worker,
-                updated_at = clock_timestamp()
-            FROM locked WHERE t.id = locked.id
+"""
+    + _LEASE_TASKS
+    + """            FROM locked WHERE t.id = locked.id
             RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts,
                       t.lease_token, t.lease_expires_at, t.idempotency_key,
                       coalesce(p_lease, t.lease_seconds, p_default_lease) AS lease_seconds,
@@ -602,6 +610,7 @@ _LEASE_PICKS = """\
                NULL::double precision
         FROM leased AS l;
 """
+)
 _CLAIM_FLOW_END = """\
         PERFORM set_config('leasequeue.keys_counted', 'off', true);
     END
@@ -726,13 +735,13 @@ _CLAIM_FLOW_V11 = (
 # tasks returned nothing while the queue had work due. A claim that leased fewer of its
 # picks than it made scans again for what it still lacks; the keys it holds stay held.
 CLAIM_FLOW_ROUNDS = 3
-_CLAIM_FLOW_V12 = (
-    _CLAIM_FLOW_V11_HEAD.replace(
-        "        v_task record;\n",
-        "        v_task record;\n        v_leased integer;\n        v_round integer := 0;\n",
-    )
-    + _CLAIM_FLOW_BUDGET
-    + """
+_CLAIM_FLOW_V12_HEAD = _CLAIM_FLOW_V11_HEAD.replace(
+    "        v_task record;\n",
+    "        v_task record;\n        v_leased integer;\n        v_round integer := 0;\n",
+)
+# The rounds, and the function's end.
+_CLAIM_FLOW_ROUNDS = (
+    """
         LOOP
             v_round := v_round + 1;
             v_keys := ARRAY[]::text[];
@@ -760,6 +769,87 @@ _CLAIM_FLOW_V12 = (
 """
     + _CLAIM_FLOW_END
 )
+_CLAIM_FLOW_V12 = _CLAIM_FLOW_V12_HEAD + _CLAIM_FLOW_BUDGET + _CLAIM_FLOW_ROUNDS
+
+
+# Migration 16: the first picks in one statement. A claim of 100 tasks over many keys with
+# room ran a dozen statements in claim_flow's rounds: 55 µs of server time per task
+# against 16 for the plain claim, most of it in locking the keys' rows (found by comparing
+# every row of flow_keys with the array of keys wanted) and in probing for rows to make.
+# Now claim_flow first takes the queue's first due tasks as the plain claim does, locks
+# the rows of their keys that no other claimer holds, and leases as many of each key's
+# tasks as it has room for, raising the counts in the same statement. What that leaves
+# (tasks of keys without a row yet, with a bucket of their own, held by another claimer or
+# out of room) goes through the rounds as before, for the tasks still wanted.
+#
+# The statement waits for no lock (its tasks and key rows are taken SKIP LOCKED), and the
+# rounds after it wait only for a claimer inserting the same new key's row, which itself
+# never waits for a row held as these are: it adds no lock order to keep. The tasks it
+# locked and could not lease stay locked until the claim commits, so a claimer beside it
+# may lease a key's later tasks before those (as claimers taking turns always could); a
+# queue whose first tasks are held back pays for their locks on top of the rounds (a
+# claim of 100 behind a backlog of one key at its limit: 10.8 ms either way). Each key's
+# row is looked up on its own, by primary key, whatever the statistics of flow_keys.
+# Queues with a bucket of their own take the rounds alone, which charge it.
+_FIRST_PICKS = (
+    """        IF v_flow.per_second IS NULL THEN
+            PERFORM set_config('leasequeue.keys_counted', 'on', true);
+            RETURN QUERY
+            WITH picked AS MATERIALIZED (
+                SELECT t.id, t.concurrency_key, t.priority, t.run_at FROM {schema}.tasks AS t
+                WHERE t.status = 'enqueued' AND t.queue = p_queue
+                  AND t.run_at <= clock_timestamp()
+                ORDER BY t.priority DESC, t.run_at, t.id
+                LIMIT v_want
+                FOR UPDATE SKIP LOCKED
+            ), wanted AS (
+                SELECT p.concurrency_key AS key, count(*)::integer AS tasks FROM picked AS p
+                WHERE p.concurrency_key IS NOT NULL GROUP BY p.concurrency_key
+            ), held AS (
+                SELECT k.key, k.running, coalesce(k.max_running, v_flow.max_running) AS lim
+                FROM wanted AS w
+                CROSS JOIN LATERAL (
+                    SELECT f.key, f.running, f.max_running FROM {schema}.flow_keys AS f
+                    WHERE f.queue = p_queue AND f.key = w.key AND f.per_second IS NULL
+                    FOR UPDATE SKIP LOCKED) AS k
+            ), granted AS (
+                SELECT h.key, CASE WHEN h.lim IS NULL THEN w.tasks
+                                   ELSE least(w.tasks, greatest(0, h.lim - h.running))
+                              END AS tasks
+                FROM held AS h JOIN wanted AS w ON w.key = h.key
+            ), counted AS (
+                UPDATE {schema}.flow_keys AS k SET running = k.running + g.tasks
+                FROM granted AS g
+                WHERE k.queue = p_queue AND k.key = g.key AND g.tasks > 0
+            ), ranked AS (
+                SELECT p.id, p.concurrency_key,
+                       row_number() OVER (PARTITION BY p.concurrency_key
+                                          ORDER BY p.priority DESC, p.run_at, p.id) AS nth
+                FROM picked AS p
+            ), leased AS (
+"""
+    + indent(_LEASE_TASKS, "    ")
+    + """                FROM ranked AS r LEFT JOIN granted AS g ON g.key = r.concurrency_key
+                WHERE t.id = r.id AND (r.concurrency_key IS NULL OR r.nth <= g.tasks)
+                RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts,
+                          t.lease_token, t.lease_expires_at, t.idempotency_key,
+                          coalesce(p_lease, t.lease_seconds, p_default_lease) AS lease_seconds,
+                          t.run_at
+            )
+            SELECT l.id, l.payload, l.priority, l.attempts, l.max_attempts, l.lease_token,
+                   l.lease_expires_at, l.idempotency_key, l.lease_seconds, l.run_at,
+                   NULL::double precision
+            FROM leased AS l;
+            GET DIAGNOSTICS v_leased = ROW_COUNT;
+            v_want := v_want - v_leased;
+            IF v_want < 1 THEN
+                PERFORM set_config('leasequeue.keys_counted', 'off', true);
+                RETURN;
+            END IF;
+        END IF;
+"""
+)
+_CLAIM_FLOW_V16 = _CLAIM_FLOW_V12_HEAD + _CLAIM_FLOW_BUDGET + _FIRST_PICKS + _CLAIM_FLOW_ROUNDS
 
 
 # A keyed task's running count, on every path into and out of 'processing'. A finish that
@@ -1214,6 +1304,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             ),
         ),
     ),
+    Migration(16, "claim_flow takes its first picks in one statement", (_CLAIM_FLOW_V16,)),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
