@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -19,10 +18,17 @@ from dagster_leasequeue import ConfigurationError, Lease, LeaseQueue, sql
 
 from ..helpers import expire, run_sql
 
-# Shortened by default; the full scenarios: LEASEQUEUE_TEST_RATE_SECONDS=30 and
-# LEASEQUEUE_TEST_LIMIT_TASKS=5000.
-RATE_SECONDS = float(os.environ.get("LEASEQUEUE_TEST_RATE_SECONDS", "6"))
-LIMIT_TASKS = int(os.environ.get("LEASEQUEUE_TEST_LIMIT_TASKS", "600"))
+
+@pytest.fixture
+def rate_seconds(chaos_long: bool) -> float:
+    """How long the rate test claims: 30 s in the long form (``--chaos-long``), else 6."""
+    return 30.0 if chaos_long else 6.0
+
+
+@pytest.fixture
+def limit_tasks(chaos_long: bool) -> int:
+    """The tasks of the 16-claimer test: 5,000 in the long form (``--chaos-long``), else 600."""
+    return 5000 if chaos_long else 600
 
 
 def running_per_key(queue: LeaseQueue, name: str) -> Counter[str]:
@@ -73,12 +79,12 @@ def many_keys_with_rows(queue: LeaseQueue) -> None:
 
 
 @pytest.mark.slow
-def test_a_concurrency_limit_holds_under_16_claimers(make_queue: Any) -> None:
+def test_a_concurrency_limit_holds_under_16_claimers(make_queue: Any, limit_tasks: int) -> None:
     queue = make_queue(pool_size=20)
     queue.install()
     keys = ("customer-1", "customer-2", "customer-3")
     queue.enqueue_many(
-        ({"n": n} for n in range(LIMIT_TASKS)),
+        ({"n": n} for n in range(limit_tasks)),
         queue="api",
         concurrency_key=lambda p: keys[p["n"] % 3],
     )
@@ -101,7 +107,7 @@ def test_a_concurrency_limit_holds_under_16_claimers(make_queue: Any) -> None:
     finally:
         stop.set()
         sampler.join()
-    assert queue.stats("api").counts["done"] == LIMIT_TASKS
+    assert queue.stats("api").counts["done"] == limit_tasks
     assert samples > 50
     assert set(highest) == set(keys)
     assert max(highest.values()) == 2, highest
@@ -204,15 +210,17 @@ def test_pause_and_resume_under_load(make_queue: Any) -> None:
 
 
 @pytest.mark.slow
-def test_a_rate_limit_holds_across_8_claimers_and_its_burst_after_idle(make_queue: Any) -> None:
+def test_a_rate_limit_holds_across_8_claimers_and_its_burst_after_idle(
+    make_queue: Any, rate_seconds: float
+) -> None:
     queue = make_queue(pool_size=10)
     queue.install()
     rate, burst = 20.0, 5.0
-    queue.enqueue_many([{"n": n} for n in range(int(rate * RATE_SECONDS * 2) + 100)], queue="api")
+    queue.enqueue_many([{"n": n} for n in range(int(rate * rate_seconds * 2) + 100)], queue="api")
     queue.set_rate_limit("api", per_second=rate, burst=burst)
     claimed: list[float] = []
     lock = threading.Lock()
-    deadline = time.monotonic() + RATE_SECONDS
+    deadline = time.monotonic() + rate_seconds
 
     def claimer() -> None:
         while time.monotonic() < deadline:
@@ -230,7 +238,7 @@ def test_a_rate_limit_holds_across_8_claimers_and_its_burst_after_idle(make_queu
     seconds = time.monotonic() - started
     assert len(claimed) <= rate * seconds + burst
     in_window = sum(1 for at in claimed if at <= deadline)
-    assert in_window >= 0.95 * rate * RATE_SECONDS, (in_window, rate * RATE_SECONDS)
+    assert in_window >= 0.95 * rate * rate_seconds, (in_window, rate * rate_seconds)
     # Idle, the bucket fills to its burst, and no further.
     time.sleep(burst / rate + 0.3)
     assert len(queue.claim_many(20, queue="api")) == burst
