@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import psycopg
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from dagster_leasequeue import LeaseQueue
 
@@ -19,6 +21,26 @@ def run_sql(queue: LeaseQueue, statement: str, params: dict[str, Any] | None = N
     with queue._driver.connection() as conn:
         cursor = conn.execute(statement.replace("{schema}", f'"{queue.schema}"'), params)
         return cursor.fetchall() if cursor.description else []
+
+
+def stored_tasks(queue: LeaseQueue) -> dict[int, tuple[str, int, int]]:
+    """Every task of the schema: its status, attempts and max_attempts, by id."""
+    rows = run_sql(queue, "SELECT id, status, attempts, max_attempts FROM {schema}.tasks")
+    return {row[0]: (row[1], row[2], row[3]) for row in rows}
+
+
+def run_model(machine: type[RuleBasedStateMachine], chaos_long: bool) -> None:
+    """Run a state machine against its model: 40 sequences of 30 steps, 300 of 60 in the
+    long form (``--chaos-long``)."""
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=300 if chaos_long else 40,
+            stateful_step_count=60 if chaos_long else 30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        ),
+    )
 
 
 def expire(queue: LeaseQueue, *task_ids: int) -> None:

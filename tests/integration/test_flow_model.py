@@ -7,19 +7,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dagster_leasequeue import Lease, LeaseQueue
 
-from ..helpers import expire, run_sql
+from ..helpers import expire, run_model, run_sql, stored_tasks
 
 QUEUE = "default"
 KEYS = (None, "a", "b", "c")
@@ -137,10 +130,9 @@ def machine_for(queue: LeaseQueue) -> type[RuleBasedStateMachine]:
         def database_matches_the_model(self) -> None:
             if not hasattr(self, "model"):
                 return
-            rows = run_sql(queue, "SELECT id, status, attempts FROM {schema}.tasks")
-            assert {row[0]: (row[1], row[2]) for row in rows} == {
-                i: (t.status, t.attempts) for i, t in self.model.items()
-            }
+            assert {
+                i: (status, attempts) for i, (status, attempts, _) in stored_tasks(queue).items()
+            } == {i: (t.status, t.attempts) for i, t in self.model.items()}
             counted = dict(run_sql(queue, "SELECT key, running FROM {schema}.flow_keys"))
             for key in KEYS[1:]:
                 assert counted.get(key, 0) == self.running(key), key
@@ -151,12 +143,4 @@ def machine_for(queue: LeaseQueue) -> type[RuleBasedStateMachine]:
 def test_claims_of_a_controlled_queue_follow_their_model(
     queue: LeaseQueue, chaos_long: bool
 ) -> None:
-    run_state_machine_as_test(
-        machine_for(queue),
-        settings=settings(
-            max_examples=300 if chaos_long else 40,
-            stateful_step_count=60 if chaos_long else 30,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-        ),
-    )
+    run_model(machine_for(queue), chaos_long)

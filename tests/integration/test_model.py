@@ -15,13 +15,12 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from dagster_leasequeue import ConfigurationError, Lease, LeaseLost, LeaseQueue, sql
 from dagster_leasequeue.validation import SCHEMA_NAME_PATTERN
 
-from ..helpers import expire, run_sql
+from ..helpers import expire, run_model, run_sql, stored_tasks
 
 
 @dataclass
@@ -137,25 +136,17 @@ def machine_for(queue: LeaseQueue) -> type[RuleBasedStateMachine]:
         def database_matches_the_model(self) -> None:
             if not hasattr(self, "model"):
                 return
-            rows = run_sql(queue, "SELECT id, status, attempts, max_attempts FROM {schema}.tasks")
-            assert {row[0]: (row[1], row[2]) for row in rows} == {
+            stored = stored_tasks(queue)
+            assert {i: (status, attempts) for i, (status, attempts, _) in stored.items()} == {
                 i: (t.status, t.attempts) for i, t in self.model.items()
             }, "a task was lost, added or changed behind the model's back"
-            assert all(attempts <= maximum for _, _, attempts, maximum in rows)
+            assert all(attempts <= maximum for _, attempts, maximum in stored.values())
 
     return QueueMachine
 
 
 def test_the_queue_follows_its_model(queue: LeaseQueue, chaos_long: bool) -> None:
-    run_state_machine_as_test(
-        machine_for(queue),
-        settings=settings(
-            max_examples=300 if chaos_long else 40,
-            stateful_step_count=60 if chaos_long else 30,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-        ),
-    )
+    run_model(machine_for(queue), chaos_long)
 
 
 def schemas(conn: psycopg.Connection[Any], keep: str) -> set[str]:
