@@ -22,7 +22,6 @@ import psycopg
 from psycopg import errors as pg_errors, pq
 
 from . import sql
-from .claims import Row
 from .connection import (
     CachedConnection,
     Executor,
@@ -38,6 +37,7 @@ from .errors import (
     TransactionAbandoned,
     describe_error,
 )
+from .fastpath import Row
 from .lease import Lease, leases_from_rows
 from .validation import check_key
 

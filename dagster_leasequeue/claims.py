@@ -18,6 +18,7 @@ import psycopg
 
 from . import sql
 from .connection import CachedConnection
+from .fastpath import Row
 
 if TYPE_CHECKING:
     from .driver import QueueDriver
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
 # How long a queue found controlled is claimed through claim_flow before it is asked again
 # (a queue whose controls were all removed is claimed correctly, if slower, meanwhile).
 CONTROLLED_RECHECK_SECONDS = 5.0
-
-Row = tuple[Any, ...]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class Claims:
     def claim(self, conn: CachedConnection, limit: int, params: Mapping[str, Any]) -> list[Row]:
         """Claim up to ``limit`` tasks of ``params['queue']``; the statement's rows."""
         statement, plain = self.statement(params["queue"], limit)
-        rows = conn.execute(statement, params).fetchall()
+        rows = conn.rows(statement, params)
         return rows or (self.claim_if_controlled(conn, limit, params) if plain else [])
 
     def statement(self, queue: str, limit: int) -> tuple[str, bool]:
@@ -96,7 +95,7 @@ class Claims:
                 statement = sql.compose_claim_flow(schema, limit)
                 return acked, conn.execute(statement, params).fetchall()
         statement = sql.compose_ack_and_claim(schema, limit, many=many, keyless=keyless)
-        rows = conn.execute(statement, {**params, **acks}).fetchall()
+        rows = conn.rows(statement, {**params, **acks})
         acked = {int(row[0]) for row in rows if row[1] is None}
         claimed = [row for row in rows if row[1] is not None]
         if claimed or len(acked) < leases:

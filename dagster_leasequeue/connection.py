@@ -6,10 +6,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from types import TracebackType
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
 from psycopg import IsolationLevel, Transaction, errors as pg_errors, generators, pq, sql as pg_sql
@@ -22,10 +22,13 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import sql
 from .dsn import describe, redact
 from .errors import DatabaseUnavailable, LeaseQueueError, TransactionAbandoned
+from .fastpath import FastStatements, PreparedNames, Row
 from .payloads import JsonbLoader
 from .schema import not_installed
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 def connection_options(
@@ -133,6 +136,8 @@ class QueueConnection(psycopg.Connection[Any]):
     opened_with: ClientSettings | None = None
     # The connection's adapters, made on first use from psycopg's global ones.
     _watched_adapters: _WatchedAdapters | None = None
+    # What the fast path prepared in this session (see fastpath.py); made on first use.
+    _prepared_names: PreparedNames | None = None
     # The notice and notification handlers caller code added.
     _notice_handlers_added: tuple[Callable[[pg_errors.Diagnostic], None], ...] = ()
     _notify_handlers_added: tuple[Callable[[psycopg.Notify], None], ...] = ()
@@ -143,6 +148,13 @@ class QueueConnection(psycopg.Connection[Any]):
         if adapters is None:
             adapters = self._watched_adapters = _WatchedAdapters(psycopg.adapters)
         return adapters
+
+    @property
+    def prepared_names(self) -> PreparedNames:
+        names = self._prepared_names
+        if names is None:
+            names = self._prepared_names = PreparedNames()
+        return names
 
     def client_settings(self) -> ClientSettings:
         return ClientSettings(
@@ -407,7 +419,7 @@ class CachedConnection:
 
     MAX_CURSORS = 8
 
-    __slots__ = ("_cursors", "_script", "_shared", "conn", "taken_at")
+    __slots__ = ("_cursors", "_fast", "_script", "_shared", "conn", "taken_at")
 
     def __init__(self, conn: QueueConnection) -> None:
         self.conn = conn
@@ -415,6 +427,7 @@ class CachedConnection:
         self._cursors: dict[str, psycopg.Cursor[Any]] = {}
         self._shared: psycopg.Cursor[Any] | None = None
         self._script: psycopg.ClientCursor[Any] | None = None
+        self._fast: FastStatements | None = None
 
     def execute(self, query: str, params: Params | None = None) -> psycopg.Cursor[Any]:
         """Run ``query`` on its own cursor (statements are compared by identity first).
@@ -429,10 +442,44 @@ class CachedConnection:
         cursor = self._cursors.get(query)
         if cursor is None:
             cursor = self._cursor_for(query)
+        return self._retried(cursor.execute, query, params)
+
+    def rows(self, query: str, params: Mapping[str, Any]) -> list[Row]:
+        """The rows of ``query``, one of the worker loop's statements (a claim, an ack).
+
+        Sent on the fast path (fastpath.py) when it is its own transaction, as the worker
+        loop's are; else as :meth:`execute` sends it. Conflicts are sent again as there.
+        """
+        conn = self.conn
+        if not conn.autocommit or conn.pgconn.transaction_status != _IDLE:
+            return self.execute(query, params).fetchall()
+        return self._retried(self._fast_statements().rows, query, params)
+
+    def changed(self, query: str, params: Mapping[str, Any]) -> int:
+        """How many rows ``query`` (an UPDATE of the worker loop, an ack) changed; sent as
+        :meth:`rows` sends its statements."""
+        conn = self.conn
+        if not conn.autocommit or conn.pgconn.transaction_status != _IDLE:
+            return self.execute(query, params).rowcount
+        return self._retried(self._fast_statements().run, query, params).command_tuples or 0
+
+    def _fast_statements(self) -> FastStatements:
+        fast = self._fast
+        if fast is None:
+            conn = self.conn
+            fast = self._fast = FastStatements(
+                conn,
+                conn.prepared_names,
+                self._new_cursor(),
+                prepare=conn.prepare_threshold is not None,
+            )
+        return fast
+
+    def _retried(self, send: Callable[[str, Any], _T], query: str, params: Any) -> _T:
         retries = CONFLICT_RETRIES
         while True:
             try:
-                return cursor.execute(query, params)
+                return send(query, params)
             except psycopg.Error as exc:
                 conflict = exc.sqlstate in _CONFLICTS
                 if not (conflict and retries and self.conn.pgconn.transaction_status == _IDLE):
@@ -465,6 +512,7 @@ class CachedConnection:
         self._cursors.clear()
         self._shared = None
         self._script = None
+        self._fast = None
 
     def _new_cursor(self) -> psycopg.Cursor[Any]:
         cursor = self.conn.cursor()

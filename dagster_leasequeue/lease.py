@@ -11,9 +11,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import sql
-from .claims import Row, in_claim_order
-from .connection import Executor
+from .claims import in_claim_order
+from .connection import CachedConnection, Executor
 from .errors import DatabaseUnavailable, LeaseLost, LeaseQueueError, describe_error
+from .fastpath import Row
 from .validation import MAX_LEASE_SECONDS, check_lease_seconds, check_seconds
 
 if TYPE_CHECKING:
@@ -187,14 +188,19 @@ class Lease:
         self.next_lease = leases[0] if leases else None
         return self.next_lease
 
-    def _ack_on(self, conn: Executor, encoded_result: str | None) -> None:
+    def _ack_on(self, conn: Executor | CachedConnection, encoded_result: str | None) -> None:
         """Run the fenced ack on ``conn``, inside the caller's transaction if it has one.
 
         The caller marks the lease finished once that transaction commits (see
         :meth:`_mark_acked`); this is how an attempt makes its effects and the ack atomic.
         """
         params = self._fence_params() | {"result": encoded_result}
-        if conn.execute(self._statement(sql.ACK), params).rowcount != 1:
+        statement = self._statement(sql.ACK)
+        if isinstance(conn, CachedConnection):
+            changed = conn.changed(statement, params)  # the worker's own: the fast path
+        else:
+            changed = conn.execute(statement, params).rowcount
+        if changed != 1:
             self._raise_lost_on(conn, "ack")
 
     def _mark_acked(self) -> None:
