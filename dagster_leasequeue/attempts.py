@@ -161,7 +161,7 @@ def run_attempt(
     session_reset = False
     try:
         with driver.errors:
-            row = cached.execute(
+            (row,) = cached.rows(
                 driver.statement(sql.BEGIN_ATTEMPT),
                 {
                     "identity": target.identity,
@@ -171,8 +171,7 @@ def run_attempt(
                     "task_id": target.task_id,
                     "worker_id": worker_id,
                 },
-            ).fetchone()
-        assert row is not None
+            )
         attempt = Attempt(
             target=target,
             attempt_id=row[0],
