@@ -493,3 +493,26 @@ def test_prepared_statements_must_be_off_before_pgbouncer_1_21(
     for _ in range(10):
         for queue in unprepared:
             assert queue.get(task_id).status == "enqueued"
+
+
+def test_the_worker_loops_statements_too_need_prepared_statements_off_before_1_21(
+    bouncer: PgBouncer, make_queue: Callable[..., LeaseQueue]
+) -> None:
+    """The claim, the ack and ``ack_and_claim`` are prepared by name as well (fastpath.py)."""
+    if tuple(int(part) for part in bouncer.version.split(".")[:2]) >= (1, 21):
+        pytest.skip(f"PgBouncer {bouncer.version} can track prepared statements")
+    prepared = [make_queue(SINGLE_DATABASE, prepared_statements=True) for _ in range(2)]
+    prepared[0].enqueue_many([{"n": n} for n in range(20)])
+    with pytest.raises(LeaseQueueError, match='prepared statement "_leasequeue_1" already exists'):
+        for _ in range(10):
+            for queue in prepared:
+                lease = queue.claim()
+                assert lease is not None
+                lease.ack()
+    unprepared = [make_queue(SINGLE_DATABASE) for _ in range(2)]
+    unprepared[0].enqueue_many([{"n": n} for n in range(20)])
+    for _ in range(5):
+        for queue in unprepared:
+            lease = queue.claim()
+            assert lease is not None
+            assert lease.ack_and_claim() is not None
