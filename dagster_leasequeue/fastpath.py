@@ -31,6 +31,9 @@ _UNKNOWN_STATEMENT = "26000"
 # A row as the package's statements return it: a tuple, in the statement's column order.
 Row = tuple[Any, ...]
 
+# Any other status (an error, a bad response) is raised, as a cursor raises it.
+_SUCCEEDED = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
+
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%")
 
 
@@ -165,8 +168,8 @@ class FastStatements:
         name = self._names.add(key)
         if name is None:
             return None
-        self._conn.pgconn.send_prepare(name, query, param_types=types)
         try:
+            self._conn.pgconn.send_prepare(name, query, param_types=types)
             self._result()
         except BaseException:
             self._names.forget(key)
@@ -193,6 +196,6 @@ class FastStatements:
         conn = self._conn
         results: list[pq.abc.PGresult] = conn.wait(generators.execute(conn.pgconn))
         (result,) = results
-        if result.status == pq.ExecStatus.FATAL_ERROR:
+        if result.status not in _SUCCEEDED:
             raise pg_errors.error_from_result(result, encoding=conn.info.encoding)
         return result
