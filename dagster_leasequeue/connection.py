@@ -450,20 +450,23 @@ class CachedConnection:
         Sent on the fast path (fastpath.py) when it is its own transaction, as the worker
         loop's are; else as :meth:`execute` sends it. Conflicts are sent again as there.
         """
-        conn = self.conn
-        if not conn.autocommit or conn.pgconn.transaction_status != _IDLE:
+        fast = self._fast_statements()
+        if fast is None:
             return self.execute(query, params).fetchall()
-        return self._retried(self._fast_statements().rows, query, params)
+        return self._retried(fast.rows, query, params)
 
     def changed(self, query: str, params: Mapping[str, Any]) -> int:
         """How many rows ``query`` (an UPDATE of the worker loop, an ack) changed; sent as
         :meth:`rows` sends its statements."""
-        conn = self.conn
-        if not conn.autocommit or conn.pgconn.transaction_status != _IDLE:
+        fast = self._fast_statements()
+        if fast is None:
             return self.execute(query, params).rowcount
-        return self._retried(self._fast_statements().run, query, params).command_tuples or 0
+        return self._retried(fast.run, query, params).command_tuples or 0
 
-    def _fast_statements(self) -> FastStatements:
+    def _fast_statements(self) -> FastStatements | None:
+        """The fast path, for a statement that is its own transaction; else None."""
+        if not self.conn.autocommit or self.conn.pgconn.transaction_status != _IDLE:
+            return None
         fast = self._fast
         if fast is None:
             conn = self.conn

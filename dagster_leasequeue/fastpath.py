@@ -145,22 +145,30 @@ class FastStatements:
         if not self._prepare:
             return self._send_unnamed(statement.query, values, types, formats)
         key = (statement.query, types)
-        name = self._names.get(key)
-        if name is None:
-            name = self._prepared(key, statement.query, types)
-            if name is None:
-                return self._send_unnamed(statement.query, values, types, formats)
         try:
-            return self._send_prepared(name, values, formats)
+            return self._send_prepared(key, statement.query, values, types, formats)
         except pg_errors.Error as exc:
             if exc.sqlstate != _UNKNOWN_STATEMENT:
                 raise
         # The session dropped what was prepared: prepare again, once.
         self._names.forget()
-        name = self._prepared(key, statement.query, types)
+        return self._send_prepared(key, statement.query, values, types, formats)
+
+    def _send_prepared(
+        self,
+        key: tuple[bytes, tuple[int, ...]],
+        query: bytes,
+        values: Sequence[Any],
+        types: Sequence[int],
+        formats: Sequence[pq.Format],
+    ) -> pq.abc.PGresult:
+        """Send under the name ``key`` was prepared with, preparing it first if need be;
+        unnamed past the limit of names."""
+        name = self._names.get(key) or self._prepared(key, query, types)
         if name is None:
-            return self._send_unnamed(statement.query, values, types, formats)
-        return self._send_prepared(name, values, formats)
+            return self._send_unnamed(query, values, types, formats)
+        self._conn.pgconn.send_query_prepared(name, values, param_formats=formats)
+        return self._result()
 
     def _prepared(
         self, key: tuple[bytes, tuple[int, ...]], query: bytes, types: Sequence[int]
@@ -175,12 +183,6 @@ class FastStatements:
             self._names.forget(key)
             raise
         return name
-
-    def _send_prepared(
-        self, name: bytes, values: Sequence[Any], formats: Sequence[pq.Format]
-    ) -> pq.abc.PGresult:
-        self._conn.pgconn.send_query_prepared(name, values, param_formats=formats)
-        return self._result()
 
     def _send_unnamed(
         self,

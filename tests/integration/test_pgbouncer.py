@@ -477,13 +477,21 @@ def test_lent_connections_share_their_server_connection(
     other.close()
 
 
+def clients_preparing_on_one_server_connection(
+    bouncer: PgBouncer, make_queue: Callable[..., LeaseQueue]
+) -> list[LeaseQueue]:
+    """Two clients with prepared statements on, sharing PgBouncer's one server connection;
+    skipped from 1.21 on, which tracks prepared statements."""
+    if tuple(int(part) for part in bouncer.version.split(".")[:2]) >= (1, 21):
+        pytest.skip(f"PgBouncer {bouncer.version} can track prepared statements")
+    return [make_queue(SINGLE_DATABASE, prepared_statements=True) for _ in range(2)]
+
+
 def test_prepared_statements_must_be_off_before_pgbouncer_1_21(
     bouncer: PgBouncer, make_queue: Callable[..., LeaseQueue]
 ) -> None:
     """Two clients on one server connection both prepare psycopg's ``_pg3_0``."""
-    if tuple(int(part) for part in bouncer.version.split(".")[:2]) >= (1, 21):
-        pytest.skip(f"PgBouncer {bouncer.version} can track prepared statements")
-    prepared = [make_queue(SINGLE_DATABASE, prepared_statements=True) for _ in range(2)]
+    prepared = clients_preparing_on_one_server_connection(bouncer, make_queue)
     task_id = prepared[0].enqueue({"n": 1})
     with pytest.raises(LeaseQueueError, match='prepared statement "_pg3_0" already exists'):
         for _ in range(10):
@@ -499,9 +507,7 @@ def test_the_worker_loops_statements_too_need_prepared_statements_off_before_1_2
     bouncer: PgBouncer, make_queue: Callable[..., LeaseQueue]
 ) -> None:
     """The claim, the ack and ``ack_and_claim`` are prepared by name as well (fastpath.py)."""
-    if tuple(int(part) for part in bouncer.version.split(".")[:2]) >= (1, 21):
-        pytest.skip(f"PgBouncer {bouncer.version} can track prepared statements")
-    prepared = [make_queue(SINGLE_DATABASE, prepared_statements=True) for _ in range(2)]
+    prepared = clients_preparing_on_one_server_connection(bouncer, make_queue)
     prepared[0].enqueue_many([{"n": n} for n in range(20)])
     with pytest.raises(LeaseQueueError, match='prepared statement "_leasequeue_1" already exists'):
         for _ in range(10):
