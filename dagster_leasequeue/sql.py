@@ -361,6 +361,10 @@ CLAIM_MANY = (
 # lease.
 FENCE = "id = %(task_id)s AND lease_token = %(token)s AND status = 'processing'"
 
+# A statement that moves a task into done, dead or cancelled, or out of them, sets
+# finished_at: the batch counts' trigger is considered only by statements that do
+# (migration 18).
+#
 # No RETURNING: the row count tells whether the fence matched.
 ACK = """
     UPDATE {schema}.tasks

@@ -87,6 +87,28 @@ def test_retry_dead_of_a_batch_makes_it_unfinished_again(queue: LeaseQueue) -> N
     assert queue.batch(other.id).counts == statuses_of(queue, other.id)
 
 
+def test_a_claim_leaves_the_batch_trigger_alone_and_an_ack_is_counted(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # What the server calls, counted for this transaction (pg_stat_xact_user_functions):
+    # the trigger's condition is prepared and called only by statements that set
+    # finished_at (migration 18), so a claim, which cannot change a batch's count, skips it.
+    batch = queue.enqueue_batch([{"n": 1}])
+    calls = (
+        "SELECT coalesce(sum(calls), 0) FROM pg_stat_xact_user_functions"
+        " WHERE schemaname = %s AND funcname = 'batch_change_counted'"
+    )
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SET LOCAL track_functions = 'pl'")
+        claim = {"queue": "default", "worker_id": "w", "lease_seconds": None, "default_lease": 30}
+        (task,) = conn.execute(sql.compose_claim(queue.schema, 1), claim).fetchall()
+        assert conn.execute(calls, (queue.schema,)).fetchone() == (0,)
+        ack = {"task_id": task[0], "token": task[5], "result": None}
+        assert conn.execute(sql.compose(sql.ACK, queue.schema), ack).rowcount == 1
+        assert conn.execute(calls, (queue.schema,)).fetchone() == (1,)
+    assert queue.batch(batch.id).finished
+
+
 def test_a_named_batch_is_made_once(queue: LeaseQueue) -> None:
     first = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs", name="run-42")
 
