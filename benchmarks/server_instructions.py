@@ -9,7 +9,8 @@ the drain's backends (told apart by their application_name): the difference, div
 the difference in tasks, leaves out connecting, preparing and filling. Only backends are
 counted, user space only: not the WAL writer, not the kernel's part of a commit. The
 server runs with ``fsync=off`` and without autovacuum, which change neither count. It
-takes about a minute to start and 20 to 60 s per strategy, and needs valgrind.
+takes about a minute to start and half a minute to a minute per strategy, and needs
+valgrind.
 
 Use it to weigh a change in what the server does per task: two versions of a statement,
 a trigger or a constraint, each counted here in the same session (``--source``-style

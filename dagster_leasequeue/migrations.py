@@ -49,7 +49,8 @@ _ATTEMPT_IDENTITY = """
 # one batch do not wait on each other's row lock, as they would on one counter (a
 # transaction-scoped advisory lock marks the stripe taken until commit, when the row lock
 # goes too). The trigger keeps the counts whatever path finishes or un-finishes a task
-# (ack, fail, sweep, cancel, retry_dead, an attempt's conclusion).
+# (ack, fail, sweep, cancel, retry_dead, an attempt's conclusion); since migration 18, each
+# such path sets finished_at, the column the trigger waits for.
 #
 # It also wakes wait_batch, with a NOTIFY on the schema's channel (sql.notify_channel:
 # 'lq_' + schema), on the last tasks of a batch. "The last": a transaction cannot see the
@@ -989,7 +990,15 @@ _KEY_CHANGE_COUNTED = f"""
 #
 # The new checks are added NOT VALID, which skips the scan of the rows in place: they were
 # held to the same conditions by the constraints these replace, dropped in the same
-# statement. A bad value fails as it did, with check_violation.
+# statement. So a later version of either function may only widen what it accepts: rows
+# already stored are never checked again. A bad value fails as it did, with
+# check_violation. The functions are executable by every role (they only read their
+# arguments): a role that writes tasks calls them, and where PUBLIC's default right to
+# execute is revoked, writes would otherwise fail until grant_worker ran again.
+#
+# Both tables are locked first, attempts then tasks, the order in which an attempt's
+# conclusion writes them: taken the other way, the migration and a conclusion could each
+# hold the lock the other waits for.
 _TASK_VALUES_VALID = """
     CREATE FUNCTION {schema}.task_values_valid(
         p_status text, p_attempts integer, p_max_attempts integer, p_lease_seconds float8
@@ -1012,8 +1021,11 @@ _ATTEMPT_OUTCOME_VALID = """
     $$
 """
 _CHEAP_CHECKS = (
+    "LOCK TABLE {schema}.attempts, {schema}.tasks IN ACCESS EXCLUSIVE MODE",
     _TASK_VALUES_VALID,
     _ATTEMPT_OUTCOME_VALID,
+    "GRANT EXECUTE ON FUNCTION {schema}.task_values_valid(text, integer, integer, float8),"
+    " {schema}.attempt_outcome_valid(text) TO PUBLIC",
     """
     ALTER TABLE {schema}.tasks
         DROP CONSTRAINT tasks_status_check,
@@ -1049,15 +1061,16 @@ def _counting_trigger(
 
 
 # Migration 18: the batch trigger considered only by statements that finish a task or take
-# one back. PostgreSQL prepares a trigger's WHEN clause in every statement whose SET list
-# names a column of the trigger's UPDATE OF list, before it looks at any row; on
-# UPDATE OF status that was every claim too, though a claim never changes what a batch
-# counts. Every statement that moves a task into done, dead or cancelled, or out of them
-# (retry_dead), sets finished_at, and no claim does: on UPDATE OF finished_at the claim
-# skips the trigger altogether. Counted by callgrind in the server, per task of claim()
-# and ack(): 686,500 -> 664,600 instructions for plain tasks, 907,900 -> 869,400 for a
-# batch's. So a statement that moves a task into a finished status or out of one must set
-# finished_at (tests/unit/test_statements.py checks every one the package has).
+# one back. PostgreSQL prepares a trigger's WHEN clause, at the first row, in every
+# statement whose SET list names a column of the trigger's UPDATE OF list, and skips the
+# trigger in any other; on UPDATE OF status that was every claim too, though a claim never
+# changes what a batch counts. Every statement that moves a task into done, dead or
+# cancelled, or out of them (retry_dead), sets finished_at, and no claim does: on UPDATE OF
+# finished_at the claim skips the trigger altogether. Counted by callgrind in the server,
+# per task of claim() and ack(): 686,500 -> 664,600 instructions for plain tasks, 907,900
+# -> 869,400 for a batch's. So a statement that moves a task into a finished status or out
+# of one must set finished_at (tests/unit/test_statements.py checks every one the package
+# has).
 _BATCH_TRIGGER_ON_FINISHES = (
     "DROP TRIGGER tasks_batch_counts ON {schema}.tasks",
     _counting_trigger(

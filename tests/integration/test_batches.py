@@ -109,6 +109,17 @@ def test_a_claim_leaves_the_batch_trigger_alone_and_an_ack_is_counted(
     assert queue.batch(batch.id).finished
 
 
+def test_a_task_concluded_by_an_attempt_is_counted_in_its_batch(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}])
+    for _ in range(2):
+        lease = queue.claim()
+        assert lease is not None
+        with queue.attempt(lease=lease):
+            pass
+    info = queue.batch(batch.id)
+    assert info.finished and info.counts["done"] == 2
+
+
 def test_a_named_batch_is_made_once(queue: LeaseQueue) -> None:
     first = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs", name="run-42")
 

@@ -141,9 +141,10 @@ def test_the_statements_sent_for_every_task_keep_their_conversion_in_psycopg() -
     assert all(length <= MAX_CACHED_STATEMENT_LENGTH for length in too_long.values()), too_long
 
 
-# Every UPDATE of tasks in the package: its SET list, and its WHERE clause.
+# Every UPDATE of tasks in the package, with its placeholders written as $name (their
+# parentheses would end a clause early): its SET list, and its WHERE clause.
 _TASK_UPDATE = re.compile(
-    r"UPDATE \{schema\}\.tasks(?: AS \w+)? SET (?P<set>.*?) (?:FROM .*? )?WHERE (?P<where>.*?)"
+    r"UPDATE \{schema\}\.tasks(?: (?:AS )?\w+)? SET (?P<set>.*?) (?:FROM .*? )?WHERE (?P<where>.*?)"
     r"(?: RETURNING|\)|;|$)"
 )
 _FINISHED = re.compile(r"'(done|dead|cancelled)'")
@@ -152,26 +153,28 @@ _FINISHED = re.compile(r"'(done|dead|cancelled)'")
 def _task_updates() -> list[tuple[str, str]]:
     texts = [value for value in vars(sql).values() if isinstance(value, str)]
     texts += [text for migration in migrations.MIGRATIONS for text in migration.statements]
-    return [
-        (match["set"], match["where"])
-        for text in texts
-        for match in _TASK_UPDATE.finditer(_flat(text))
-    ]
+    updates = []
+    for text in texts:
+        flat = re.sub(r"%\((\w+)\)s", r"$\1", _flat(text))
+        found = list(_TASK_UPDATE.finditer(flat))
+        assert len(found) == flat.count("UPDATE {schema}.tasks"), flat  # each one read
+        updates += [(match["set"], match["where"]) for match in found]
+    return updates
 
 
 def test_every_statement_that_finishes_a_task_or_takes_one_back_sets_finished_at() -> None:
     # The batch trigger is on UPDATE OF finished_at (migration 18): a statement that moved
     # a task into done, dead or cancelled, or out of them, without setting finished_at
-    # would go uncounted, and its batch would never finish.
-    updates = _task_updates()
-    finishing = [
-        (set_list, where)
-        for set_list, where in updates
-        if _FINISHED.search(set_list.split(" WHERE ")[0]) or _FINISHED.search(where)
-    ]
-    assert len(finishing) >= 8  # ack, fail, ack_many, sweep, cancel, cancel_batch, ...
-    for set_list, where in finishing:
+    # would go uncounted, and its batch would never finish. So every statement that sets
+    # a status sets finished_at, but for a claim (to processing) and a release (back from
+    # processing to enqueued), which change nothing a batch counts.
+    release = _flat(sql.RELEASE).split(" SET ")[1].split(" WHERE ")[0]
+    release = re.sub(r"%\((\w+)\)s", r"$\1", release)
+    statuses = [(set_list, where) for set_list, where in _task_updates() if "status =" in set_list]
+    claims = [s for s, _ in statuses if s.startswith("status = 'processing',")]
+    releases = [s for s, _ in statuses if s == release]
+    others = [(s, w) for s, w in statuses if s not in claims and s not in releases]
+    assert claims and releases and len(others) >= 6
+    assert not any("finished_at" in set_list for set_list in claims + releases)
+    for set_list, where in others:
         assert "finished_at =" in set_list, f"SET {set_list} WHERE {where}"
-    # And a claim, which changes nothing a batch counts, does not set it.
-    claims = [set_list for set_list, _ in updates if "status = 'processing'" in set_list]
-    assert claims and not any("finished_at" in set_list for set_list in claims)
