@@ -40,6 +40,7 @@ from benchmarks.harness.db import bench_schema, connect, vacuum
 from benchmarks.harness.report import table
 from benchmarks.harness.runner import fill_lean, fill_no_ops
 from benchmarks.harness.strategies import STRATEGIES
+from benchmarks.sections.batches import fill_batch
 
 DEFAULT_STRATEGIES = ("raw_one_lean", "lq_one", "lq_chain", "lq_chain_attempt")
 SMALL, LARGE = 300, 1_300
@@ -123,10 +124,13 @@ def _wait_until_ready(dsn: str, server: subprocess.Popen[bytes]) -> None:
     raise RuntimeError(f"the server under valgrind did not start in {_START_SECONDS} s")
 
 
-def drain_instructions(dsn: str, counts: Path, strategy: str, tasks: int) -> int:
-    """Instructions of the backends that drained ``tasks`` tasks with ``strategy``."""
+def drain_instructions(
+    dsn: str, counts: Path, strategy: str, tasks: int, *, in_batch: bool = False
+) -> int:
+    """Instructions of the backends that drained ``tasks`` tasks with ``strategy`` (the
+    tasks of one batch with ``in_batch``)."""
     counted = make_conninfo(dsn, application_name=APPLICATION)
-    fill = fill_lean if STRATEGIES[strategy].lean else fill_no_ops
+    fill = fill_lean if STRATEGIES[strategy].lean else fill_batch if in_batch else fill_no_ops
     with bench_schema(dsn, "srvinstr") as schema:
         fill(dsn, schema, tasks)
         with connect(dsn, schema) as conn:
@@ -161,29 +165,36 @@ def _backend_total(counts: Path, pid: int) -> int:
     raise RuntimeError(f"callgrind wrote no count for backend {pid}")
 
 
-def per_task(dsn: str, counts: Path, strategy: str) -> float:
-    large = drain_instructions(dsn, counts, strategy, LARGE)
-    small = drain_instructions(dsn, counts, strategy, SMALL)
+def per_task(dsn: str, counts: Path, strategy: str, *, in_batch: bool = False) -> float:
+    large = drain_instructions(dsn, counts, strategy, LARGE, in_batch=in_batch)
+    small = drain_instructions(dsn, counts, strategy, SMALL, in_batch=in_batch)
     return (large - small) / (LARGE - SMALL)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.server_instructions")
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
+    parser.add_argument(
+        "--in-batch",
+        action="store_true",
+        help="drain the tasks of one batch (enqueue_batch) with the package's strategies",
+    )
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("valgrind is not installed: apt install valgrind", file=sys.stderr)
         return 1
     names = args.strategies.split(",")
     with counted_server() as (dsn, counts):
-        measured = {name: per_task(dsn, counts, name) for name in names}
+        measured = {name: per_task(dsn, counts, name, in_batch=args.in_batch) for name in names}
     rows = []
     for name, count in measured.items():
         baseline = STRATEGIES[name].baseline
         ratio = round(count / measured[baseline], 2) if baseline in measured else "-"
         rows.append((name, STRATEGIES[name].label, round(count), baseline or "-", ratio))
     headers = ("strategy", "how", "instructions/task", "baseline", "x baseline")
-    print(table("server instructions per task (callgrind, backends only)", headers, rows))
+    tasks = ", the tasks of one batch" if args.in_batch else ""
+    title = f"server instructions per task (callgrind, backends only{tasks})"
+    print(table(title, headers, rows))
     return 0
 
 

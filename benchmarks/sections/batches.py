@@ -131,6 +131,12 @@ def _enqueue_runs(config: BenchConfig, log: Progress) -> list[EnqueueRun]:
 # -- drain: a batch's tasks against plain tasks --------------------------------------------
 
 
+def fill_batch(dsn: str, schema: str, tasks: int) -> None:
+    """``tasks`` tasks of one batch, enqueued as a caller would (``enqueue_batch``)."""
+    with open_queue(dsn, schema, pool_size=1) as queue:
+        queue.enqueue_batch(payloads(tasks))
+
+
 def _fillers(config: BenchConfig) -> dict[str, Filler]:
     """How each kind of drain gets its tasks: through the package, as a caller would."""
 
@@ -140,11 +146,7 @@ def _fillers(config: BenchConfig) -> dict[str, Filler]:
             for start in range(0, tasks, chunk):
                 queue.enqueue_many([{"n": n} for n in range(start, min(tasks, start + chunk))])
 
-    def batch(dsn: str, schema: str, tasks: int) -> None:
-        with open_queue(dsn, schema, pool_size=1) as queue:
-            queue.enqueue_batch(payloads(tasks))
-
-    return {"plain": plain, "batch": batch}
+    return {"plain": plain, "batch": fill_batch}
 
 
 def read_counters(conn: psycopg.Connection[Any]) -> dict[str, int]:
