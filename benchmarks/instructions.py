@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 
 from benchmarks.harness.db import bench_schema, connect, fill_tasks, vacuum
 from benchmarks.harness.report import table
@@ -84,18 +85,30 @@ def main(argv: list[str] | None = None) -> int:
         strategy, tasks = args.child.split(":")
         drain_once(args.dsn, strategy, int(tasks))
         return 0
-    if shutil.which("valgrind") is None:
-        print("valgrind is not installed: apt install valgrind", file=sys.stderr)
+    if valgrind_missing():
         return 1
     counts = {name: per_task(args.dsn, name) for name in args.strategies.split(",")}
+    print_counts("client instructions per task (callgrind)", counts)
+    return 0
+
+
+def valgrind_missing() -> bool:
+    """Whether valgrind is missing (and said so)."""
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed: apt install valgrind", file=sys.stderr)
+        return True
+    return False
+
+
+def print_counts(title: str, counts: Mapping[str, float]) -> None:
+    """Instructions per task by strategy, each against its baseline when that was counted."""
     rows = []
     for name, count in counts.items():
         baseline = STRATEGIES[name].baseline
         ratio = round(count / counts[baseline], 2) if baseline in counts else "-"
         rows.append((name, STRATEGIES[name].label, round(count), baseline or "-", ratio))
     headers = ("strategy", "how", "instructions/task", "baseline", "x baseline")
-    print(table("client instructions per task (callgrind)", headers, rows))
-    return 0
+    print(table(title, headers, rows))
 
 
 if __name__ == "__main__":

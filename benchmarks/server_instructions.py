@@ -26,7 +26,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -37,13 +36,12 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from benchmarks.harness.db import bench_schema, connect, vacuum
-from benchmarks.harness.report import table
 from benchmarks.harness.runner import fill_lean, fill_no_ops
 from benchmarks.harness.strategies import STRATEGIES
+from benchmarks.instructions import LARGE, SMALL, print_counts, valgrind_missing
 from benchmarks.sections.batches import fill_batch
 
 DEFAULT_STRATEGIES = ("raw_one_lean", "lq_one", "lq_chain", "lq_chain_attempt")
-SMALL, LARGE = 300, 1_300
 APPLICATION = "leasequeue_counted_drain"
 _TOTALS = re.compile(rb"^totals: (\d+)", re.MULTILINE)
 _START_SECONDS = 180
@@ -180,21 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         help="drain the tasks of one batch (enqueue_batch) with the package's strategies",
     )
     args = parser.parse_args(argv)
-    if shutil.which("valgrind") is None:
-        print("valgrind is not installed: apt install valgrind", file=sys.stderr)
+    if valgrind_missing():
         return 1
     names = args.strategies.split(",")
     with counted_server() as (dsn, counts):
         measured = {name: per_task(dsn, counts, name, in_batch=args.in_batch) for name in names}
-    rows = []
-    for name, count in measured.items():
-        baseline = STRATEGIES[name].baseline
-        ratio = round(count / measured[baseline], 2) if baseline in measured else "-"
-        rows.append((name, STRATEGIES[name].label, round(count), baseline or "-", ratio))
-    headers = ("strategy", "how", "instructions/task", "baseline", "x baseline")
     tasks = ", the tasks of one batch" if args.in_batch else ""
-    title = f"server instructions per task (callgrind, backends only{tasks})"
-    print(table(title, headers, rows))
+    print_counts(f"server instructions per task (callgrind, backends only{tasks})", measured)
     return 0
 
 

@@ -147,7 +147,11 @@ _TASK_UPDATE = re.compile(
     r"UPDATE \{schema\}\.tasks(?: (?:AS )?\w+)? SET (?P<set>.*?) (?:FROM .*? )?WHERE (?P<where>.*?)"
     r"(?: RETURNING|\)|;|$)"
 )
-_FINISHED = re.compile(r"'(done|dead|cancelled)'")
+
+
+def _named(text: str) -> str:
+    """``text`` flattened, its placeholders written as $name."""
+    return re.sub(r"%\((\w+)\)s", r"$\1", _flat(text))
 
 
 def _task_updates() -> list[tuple[str, str]]:
@@ -155,7 +159,7 @@ def _task_updates() -> list[tuple[str, str]]:
     texts += [text for migration in migrations.MIGRATIONS for text in migration.statements]
     updates = []
     for text in texts:
-        flat = re.sub(r"%\((\w+)\)s", r"$\1", _flat(text))
+        flat = _named(text)
         found = list(_TASK_UPDATE.finditer(flat))
         assert len(found) == flat.count("UPDATE {schema}.tasks"), flat  # each one read
         updates += [(match["set"], match["where"]) for match in found]
@@ -168,8 +172,7 @@ def test_every_statement_that_finishes_a_task_or_takes_one_back_sets_finished_at
     # would go uncounted, and its batch would never finish. So every statement that sets
     # a status sets finished_at, but for a claim (to processing) and a release (back from
     # processing to enqueued), which change nothing a batch counts.
-    release = _flat(sql.RELEASE).split(" SET ")[1].split(" WHERE ")[0]
-    release = re.sub(r"%\((\w+)\)s", r"$\1", release)
+    release = _named(sql.RELEASE).split(" SET ")[1].split(" WHERE ")[0]
     statuses = [(set_list, where) for set_list, where in _task_updates() if "status =" in set_list]
     claims = [s for s, _ in statuses if s.startswith("status = 'processing',")]
     releases = [s for s, _ in statuses if s == release]
