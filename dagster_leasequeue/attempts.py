@@ -190,7 +190,7 @@ def run_attempt(
             attempt.claimed = lease.next_lease = claim.lease(cached)
     finally:
         if not session_reset:
-            reset_session(conn)
+            reset_session(conn, driver.statement(sql.RESET_SESSION))
 
 
 class _NextClaim:
@@ -356,7 +356,7 @@ def _conclude(
         if claim is None:
             deallocate_leftovers(cursor)
         else:
-            *_, claim.rows, (reset,) = _result_rows(cursor)
+            *_, (reset,), claim.rows = _result_rows(cursor)
             deallocate(cached.conn, reset[-1])
     except psycopg.Error:
         cached.conn.close()  # the pool discards a closed connection

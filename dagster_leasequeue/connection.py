@@ -652,9 +652,10 @@ class BorrowedStatements(_Borrowed):
     __enter__ = _Borrowed._acquire
 
 
-def reset_session(conn: psycopg.Connection[Any]) -> None:
-    """Undo what caller code may have done to a lent connection's session (see
-    sql.RESET_SESSION); ConnectionCache.release undoes what it did on the client."""
+def reset_session(conn: psycopg.Connection[Any], statement: str) -> None:
+    """Undo what caller code may have done to a lent connection's session: ``statement``
+    is sql.RESET_SESSION rendered for the queue's schema. ConnectionCache.release undoes
+    what it did on the client."""
     if conn.closed or conn.broken:
         return
     try:
@@ -664,7 +665,7 @@ def reset_session(conn: psycopg.Connection[Any]) -> None:
         # Several statements in one simple query; never prepared (a prepared statement
         # holds one).
         cursor = conn.cursor(row_factory=tuple_row)  # whatever row factory the borrower set
-        deallocate_leftovers(cursor.execute(sql.RESET_SESSION, prepare=False))
+        deallocate_leftovers(cursor.execute(statement, prepare=False))
     except psycopg.Error:
         conn.close()  # the pool discards a closed connection
 

@@ -936,7 +936,7 @@ class LeaseQueue:
             try:
                 yield cached.conn
             finally:
-                reset_session(cached.conn)
+                reset_session(cached.conn, self._driver.statement(sql.RESET_SESSION))
 
     def _max_attempts(self, value: int | None) -> int:
         if value is None:

@@ -933,20 +933,17 @@ TASK_ATTEMPT_KEY = "SELECT queue, idempotency_key FROM {schema}.tasks WHERE id =
 # What a borrower may have done to a lent connection is undone before it is used again:
 # settings (a search path, a timeout), the role (which RESET ALL leaves alone), session
 # advisory locks and LISTENs, cursors WITH HOLD, temporary tables, and the statements it
-# PREPAREd. Its last statement names the statements a borrower PREPAREd (from_sql; psycopg
-# prepares its own by protocol), which connection.deallocate_leftovers drops in a second
-# round trip, only when there are any: DEALLOCATE ALL would drop psycopg's own statements
-# too and make it forget them all, and a loop in PL/pgSQL would cost every reset and need
-# the language. DISCARD ALL is not used: it cannot run in a query of several statements,
-# which is a transaction block.
+# PREPAREd. The role goes first, as statements of their own: the borrower's role may have
+# no right to the queue's schema, where reset_session() (migration 19) lives; the function
+# undoes the rest and names the statements a borrower PREPAREd (from_sql; psycopg prepares
+# its own by protocol), which connection.deallocate_leftovers drops in a second round trip,
+# only when there are any: DEALLOCATE ALL would drop psycopg's own statements too and make
+# it forget them all. DISCARD ALL is not used: it cannot run in a query of several
+# statements, which is a transaction block.
 # It all runs in the round trip that ends an attempt or a loan, inside or after its
-# transaction, and leaves nothing in the session (behind PgBouncer included). No % nor
-# braces: the text goes through the client's parameter binding and sql.SQL.
-RESET_SESSION = (
-    "RESET ALL; RESET ROLE; RESET SESSION AUTHORIZATION; UNLISTEN *; CLOSE ALL; DISCARD TEMP;"
-    " SELECT pg_advisory_unlock_all(),"
-    " ARRAY(SELECT name FROM pg_catalog.pg_prepared_statements WHERE from_sql)"
-)
+# transaction, and leaves nothing in the session (behind PgBouncer included). No %: the
+# text goes through the client's parameter binding.
+RESET_SESSION = "RESET ROLE; RESET SESSION AUTHORIZATION; SELECT {schema}.reset_session()"
 
 # How an attempt ends when its work is done: the success mark (attempt_id; NULL for a
 # duplicate), the lease's fenced ack (task_id and token; NULL without a lease), the commit
@@ -961,10 +958,8 @@ CONCLUDE_EMPTY_ATTEMPT = _CONCLUDE + RESET_SESSION
 # in one transaction with the claim, its key's row would stay locked while the claim waits
 # for its own key's, and two workers crossing keys would deadlock.
 CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
-# With claim_next, the next claim rides in the same script: after the session's settings
-# and role are reset, so that it runs as the package's own statements do, and before the
-# reset's last SELECT, whose row (what is left to deallocate) stays the script's last.
-_RESET_LAST = " SELECT pg_advisory_unlock_all(),"
+# With claim_next, the next claim rides in the same script, last: after the session's
+# settings and role are reset, so that it runs as the package's own statements do.
 LEASE_GONE = "LQ001"
 # The unique index that allows one success per key.
 SUCCESS_INDEX = "attempts_success_idx"
@@ -976,8 +971,7 @@ NO_OP = "SELECT 1"
 
 def with_next_claim(script: str, claim: str) -> str:
     """A rendered CONCLUDE_ATTEMPT or CONCLUDE_EMPTY_ATTEMPT that also runs ``claim``."""
-    head, reset_last, tail = script.rpartition(_RESET_LAST)
-    return f"{head} {claim.strip()};{reset_last}{tail}"
+    return f"{script}; {claim.strip()}"
 
 
 def listen_statement(schema: str) -> str:

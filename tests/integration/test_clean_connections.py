@@ -23,6 +23,8 @@ from psycopg.types.string import StrDumper, TextLoader
 
 from dagster_leasequeue import LeaseQueue
 
+from ..helpers import run_sql
+
 Lend = Callable[[LeaseQueue], AbstractContextManager[psycopg.Connection[Any]]]
 
 
@@ -142,6 +144,48 @@ def test_a_prepared_statement_of_the_borrower_does_not_outlive_the_loan(
     with next_borrower(small, pid) as conn:
         assert conn.execute(from_sql).fetchone() == (0,)
     assert_queue_works(small)
+
+
+def test_a_role_without_rights_on_the_schema_does_not_keep_the_session_from_its_reset(
+    small: LeaseQueue,
+) -> None:
+    # The reset's function lives in the queue's schema, which pg_monitor may not use: the
+    # role is reset before the function is called, or the reset fails and the connection
+    # is dropped instead of handed on clean.
+    pid = backend_pid(small)
+    user = run_sql(small, "SELECT session_user")[0][0]
+    with small.connection() as conn:
+        conn.execute("CREATE TEMP TABLE staging (n int)")
+        conn.execute("SET ROLE pg_monitor")
+        assert conn.execute("SELECT current_user").fetchone() == ("pg_monitor",)
+    with next_borrower(small, pid) as conn:
+        assert conn.execute("SELECT current_user").fetchone() == (user,)
+        assert conn.execute("SELECT to_regclass('pg_temp.staging')").fetchone() == (None,)
+    assert_queue_works(small)
+
+
+def test_the_schemas_reset_session_undoes_what_a_session_was_left_with(
+    dsn: str, queue: LeaseQueue
+) -> None:
+    queue.install()
+    schema = f'"{queue.schema}"'
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn) as other:
+        conn.execute("SET work_mem = '7MB'")
+        conn.execute("SET search_path = nowhere")
+        conn.execute("LISTEN left_behind")
+        conn.execute("PREPARE mine AS SELECT 1")
+        conn.execute("CREATE TEMP TABLE staging (n int)")
+        conn.execute("DECLARE held CURSOR WITH HOLD FOR SELECT 1")
+        conn.execute("SELECT pg_advisory_lock(4243)")
+        (names,) = conn.execute(f"SELECT {schema}.reset_session()").fetchone() or (None,)
+        assert names == ["mine"]  # dropped by the caller, which keeps its own statements
+        for setting in ("work_mem", "search_path"):
+            shown = f"SHOW {setting}"
+            assert conn.execute(shown).fetchone() == other.execute(shown).fetchone()
+        assert conn.execute("SELECT pg_listening_channels()").fetchall() == []
+        assert conn.execute("SELECT to_regclass('pg_temp.staging')").fetchone() == (None,)
+        assert conn.execute("SELECT count(*) FROM pg_cursors").fetchone() == (0,)
+        assert other.execute("SELECT pg_try_advisory_lock(4243)").fetchone() == (True,)
 
 
 # -- psycopg client attributes -------------------------------------------------------------
