@@ -91,12 +91,12 @@ def test_a_claim_leaves_the_batch_trigger_alone_and_an_ack_is_counted(
     queue: LeaseQueue, dsn: str
 ) -> None:
     # What the server calls, counted for this transaction (pg_stat_xact_user_functions):
-    # the trigger's condition is prepared and called only by statements that set
-    # finished_at (migration 18), so a claim, which cannot change a batch's count, skips it.
+    # the trigger is considered only by statements that set finished_at (migration 18), so
+    # a claim, which cannot change a batch's count, skips it; an ack fires it once.
     batch = queue.enqueue_batch([{"n": 1}])
     calls = (
         "SELECT coalesce(sum(calls), 0) FROM pg_stat_xact_user_functions"
-        " WHERE schemaname = %s AND funcname = 'batch_change_counted'"
+        " WHERE schemaname = %s AND funcname = 'count_batch_task'"
     )
     with psycopg.connect(dsn) as conn:
         conn.execute("SET LOCAL track_functions = 'pl'")
@@ -107,6 +107,46 @@ def test_a_claim_leaves_the_batch_trigger_alone_and_an_ack_is_counted(
         assert conn.execute(sql.compose(sql.ACK, queue.schema), ack).rowcount == 1
         assert conn.execute(calls, (queue.schema,)).fetchone() == (1,)
     assert queue.batch(batch.id).finished
+
+
+def test_the_counting_triggers_conditions_are_their_columns_null_tests(
+    queue: LeaseQueue,
+) -> None:
+    # Prepared in every statement that sets a column the trigger watches, whatever the
+    # rows: the rest of each condition is the trigger function's first test (migration 20).
+    conditions = run_sql(
+        queue,
+        "SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger"
+        " WHERE tgrelid = '{schema}.tasks'::regclass AND NOT tgisinternal ORDER BY tgname",
+    )
+    when = {name: d.split(" WHEN ")[1].split(" EXECUTE ")[0] for name, d in conditions}
+    assert when == {
+        "tasks_batch_counts": "((new.batch_id IS NOT NULL))",
+        "tasks_key_running": "((new.concurrency_key IS NOT NULL))",
+    }
+
+
+def test_a_transaction_that_says_it_counted_in_bulk_is_not_counted_again(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # The settings by which code from before migrations 8 and 9 told the triggers it had
+    # counted its tasks itself; still honoured for a deploy that runs both.
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}], concurrency_key="k")
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SET LOCAL leasequeue.counted_in_bulk = 'on'")
+        conn.execute("SET LOCAL leasequeue.keys_counted = 'on'")
+        claim = {"queue": "default", "worker_id": "w", "lease_seconds": None, "default_lease": 30}
+        (task,) = conn.execute(sql.compose_claim(queue.schema, 1), claim).fetchall()
+        ack = {"task_id": task[0], "token": task[5], "result": None}
+        assert conn.execute(sql.compose(sql.ACK, queue.schema), ack).rowcount == 1
+    assert queue.batch(batch.id).counts["done"] == 0  # counted by no one: as it said
+    running = "SELECT coalesce(sum(running), 0) FROM {schema}.flow_keys WHERE key = 'k'"
+    assert run_sql(queue, running) == [(0,)]
+    lease = queue.claim()
+    assert lease is not None
+    lease.ack()
+    assert queue.batch(batch.id).counts["done"] == 1
+    assert run_sql(queue, running) == [(0,)]
 
 
 def test_a_task_concluded_by_an_attempt_is_counted_in_its_batch(queue: LeaseQueue) -> None:
