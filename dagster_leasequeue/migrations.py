@@ -1096,7 +1096,7 @@ _BATCH_TRIGGER_ON_FINISHES = (
 # function. The reset ran as seven statements of a simple query, each parsed, analysed and
 # planned again at every attempt's conclusion and every loan's end; counted by callgrind in
 # the server, the attempts' worker loop took 1,458,000 instructions per task with them and
-# 1,379,000 with this. What it undoes is listed at sql.RESET_SESSION. No SET clause: one
+# 1,380,000 with this. What it undoes is listed at sql.RESET_SESSION. No SET clause: one
 # would undo RESET ALL when the function returns. The functions and views it names are
 # schema-qualified, so no search_path a borrower set can stand in for them. It only touches
 # the calling session, so every role may run it.
@@ -1129,8 +1129,11 @@ _SESSION_RESET = (
 # or with a key now fires its trigger on each change its statement makes (the function then
 # returns at once when there is nothing to count), where the condition's call was made per
 # row before: the same single call for a lease's ack or claim, one more step for each row of
-# a statement that counts in bulk. The conditions are unchanged, so workers of the earlier
-# release count right beside this one.
+# a statement that counts in bulk, which the server keeps queued until the statement ends
+# (about 16 bytes a row and trigger: 16 MB for a cancel_batch of a million tasks). The
+# conditions are unchanged, so workers of the earlier release count right beside this one;
+# only a session without a query text (current_query() NULL: a background worker), whose
+# rows the WHEN clause left uncounted, now has them counted.
 _COUNT_BATCH_TASK_V20 = f"""
     CREATE OR REPLACE FUNCTION {{schema}}.count_batch_task() RETURNS trigger
     LANGUAGE plpgsql AS $$

@@ -933,17 +933,20 @@ TASK_ATTEMPT_KEY = "SELECT queue, idempotency_key FROM {schema}.tasks WHERE id =
 # What a borrower may have done to a lent connection is undone before it is used again:
 # settings (a search path, a timeout), the role (which RESET ALL leaves alone), session
 # advisory locks and LISTENs, cursors WITH HOLD, temporary tables, and the statements it
-# PREPAREd. The role goes first, as statements of their own: the borrower's role may have
-# no right to the queue's schema, where reset_session() (migration 19) lives; the function
-# undoes the rest and names the statements a borrower PREPAREd (from_sql; psycopg prepares
-# its own by protocol), which connection.deallocate_leftovers drops in a second round trip,
-# only when there are any: DEALLOCATE ALL would drop psycopg's own statements too and make
-# it forget them all. DISCARD ALL is not used: it cannot run in a query of several
+# PREPAREd. The settings and the role go first, as statements of their own: a timeout the
+# borrower set would apply to the next statement, and the borrower's role may have no right
+# to the queue's schema, where reset_session() (migration 19) lives. The function undoes
+# the rest and names the statements a borrower PREPAREd (from_sql; psycopg prepares its own
+# by protocol), which connection.deallocate_leftovers drops in a second round trip, only
+# when there are any: DEALLOCATE ALL would drop psycopg's own statements too and make it
+# forget them all. DISCARD ALL is not used: it cannot run in a query of several
 # statements, which is a transaction block.
 # It all runs in the round trip that ends an attempt or a loan, inside or after its
 # transaction, and leaves nothing in the session (behind PgBouncer included). No %: the
 # text goes through the client's parameter binding.
-RESET_SESSION = "RESET ROLE; RESET SESSION AUTHORIZATION; SELECT {schema}.reset_session()"
+RESET_SESSION = (
+    "RESET ALL; RESET ROLE; RESET SESSION AUTHORIZATION; SELECT {schema}.reset_session()"
+)
 
 # How an attempt ends when its work is done: the success mark (attempt_id; NULL for a
 # duplicate), the lease's fenced ack (task_id and token; NULL without a lease), the commit
