@@ -1100,7 +1100,7 @@ _BATCH_TRIGGER_ON_FINISHES = (
 # would undo RESET ALL when the function returns. The functions and views it names are
 # schema-qualified, so no search_path a borrower set can stand in for them. It only touches
 # the calling session, so every role may run it.
-_RESET_SESSION = """
+_RESET_SESSION_FUNCTION = """
     CREATE FUNCTION {schema}.reset_session() RETURNS text[]
     LANGUAGE plpgsql AS $$
     BEGIN
@@ -1114,8 +1114,8 @@ _RESET_SESSION = """
     END
     $$
 """
-_SESSION_RESET = (
-    _RESET_SESSION,
+_SESSION_RESET_BY_FUNCTION = (
+    _RESET_SESSION_FUNCTION,
     "GRANT EXECUTE ON FUNCTION {schema}.reset_session() TO PUBLIC",
 )
 
@@ -1507,7 +1507,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         "the batch trigger considered only by statements that finish a task or take one back",
         _BATCH_TRIGGER_ON_FINISHES,
     ),
-    Migration(19, "a lent connection's session reset by one function", _SESSION_RESET),
+    Migration(19, "a lent connection's session reset by one function", _SESSION_RESET_BY_FUNCTION),
     Migration(
         20,
         "counting triggers whose conditions are their column's NULL test alone",
