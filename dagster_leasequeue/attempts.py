@@ -203,6 +203,8 @@ class _NextClaim:
         self._worker_id = lease.worker_id or ""
         self.params = driver.claims.params(self._queue, self._worker_id, lease_seconds)
         self.statement, self._plain = driver.claims.script_statement(self._queue)
+        # Claimed in the attempt's own commit (sql.CONCLUDE_ATTEMPT_AND_CLAIM), else after it.
+        self.together = self._plain and lease.keyless
         self.sent = 0.0
         self.rows: list[Row] = []
         self.succeeded = False
@@ -241,13 +243,12 @@ def _run(
         try:
             yield attempt
             encoded = driver.encode_result(attempt.result)
-            if conn.pgconn.transaction_status == _IDLE:
+            empty = conn.pgconn.transaction_status == _IDLE
+            if empty:
                 # The work ran no statement (a duplicate, or effects kept elsewhere): no
                 # transaction to open just to conclude.
                 conn.autocommit = True
-                script = sql.CONCLUDE_EMPTY_ATTEMPT_APART if claim else sql.CONCLUDE_EMPTY_ATTEMPT
-            else:
-                script = sql.CONCLUDE_ATTEMPT
+            script = _conclusion_script(empty, claim)
             session_reset = _conclude(cached, driver, script, attempt, lease, encoded, claim)
         except BaseException:
             _rollback(conn)
@@ -282,6 +283,16 @@ def _run(
     if claim is not None and session_reset:
         claim.succeeded = True
     return session_reset
+
+
+def _conclusion_script(empty: bool, claim: _NextClaim | None) -> str:
+    """How the attempt ends: ``empty`` when its work ran no statement (no transaction is
+    open), ``claim`` the next claim it carries, if any (see sql.CONCLUDE_ATTEMPT)."""
+    if claim is not None and claim.together:
+        return sql.CONCLUDE_EMPTY_ATTEMPT_AND_CLAIM if empty else sql.CONCLUDE_ATTEMPT_AND_CLAIM
+    if empty:
+        return sql.CONCLUDE_EMPTY_ATTEMPT_APART if claim else sql.CONCLUDE_EMPTY_ATTEMPT
+    return sql.CONCLUDE_ATTEMPT
 
 
 def _attempt_settings(idle_timeout: float) -> bytes:
@@ -323,7 +334,8 @@ def _conclude(
     }
     text = driver.statement(script)
     if claim is not None:
-        text = sql.with_next_claim(text, claim.statement)
+        if not claim.together:
+            text = sql.with_next_claim(text, claim.statement)
         params |= claim.params
         claim.sent = time.monotonic()
     try:

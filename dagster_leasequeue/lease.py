@@ -103,6 +103,12 @@ class Lease:
         return self._outcome is not None
 
     @property
+    def keyless(self) -> bool:
+        """True when the task is known to have no concurrency key (a claim's rows say so);
+        False when it has one, or its claim did not say."""
+        return self._keyless
+
+    @property
     def lost(self) -> bool:
         """True once the lease is gone or may be: the work should stop.
 

@@ -902,20 +902,9 @@ _KEY_RUNNING_TRIGGER = (
 )
 
 
-# The plain claim of one task (sql.CLAIM_ONE, its parameters named), for a claim sent in a
-# simple query of several statements: an attempt's conclusion that claims the next task.
-# There nothing is prepared, and planning sql.CLAIM_ONE anew took more server time than
-# running it; a function's statements keep their plans for the session, as a prepared
-# statement does. tests/unit/test_statements.py holds it to sql.CLAIM_ONE.
-_CLAIM_ONE = (
-    """
-    CREATE FUNCTION {schema}.claim_one(
-        p_queue text, p_worker text, p_lease double precision, p_default_lease double precision
-"""
-    + _CLAIMED_ROWS
-    + """    BEGIN
-        RETURN QUERY
-        WITH claimed AS (
+# The plain claim of one task (sql.CLAIM_ONE, its parameters named), as claim_one() and
+# conclude_and_claim() run it, up to the concurrency key that only the second returns.
+_CLAIM_ONE_UPDATE = """\
             UPDATE {schema}.tasks AS t
             SET status = 'processing',
                 attempts = t.attempts + 1,
@@ -940,7 +929,25 @@ _CLAIM_ONE = (
             RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
                       t.lease_expires_at, t.idempotency_key,
                       coalesce(p_lease, t.lease_seconds, p_default_lease) AS lease_seconds,
-                      t.run_at, NULL::double precision AS next_token_in
+                      t.run_at, NULL::double precision AS next_token_in"""
+
+# The plain claim of one task (sql.CLAIM_ONE, its parameters named), for a claim sent in a
+# simple query of several statements: an attempt's conclusion that claims the next task.
+# There nothing is prepared, and planning sql.CLAIM_ONE anew took more server time than
+# running it; a function's statements keep their plans for the session, as a prepared
+# statement does. tests/unit/test_statements.py holds it to sql.CLAIM_ONE.
+_CLAIM_ONE = (
+    """
+    CREATE FUNCTION {schema}.claim_one(
+        p_queue text, p_worker text, p_lease double precision, p_default_lease double precision
+"""
+    + _CLAIMED_ROWS
+    + """    BEGIN
+        RETURN QUERY
+        WITH claimed AS (
+"""
+    + _CLAIM_ONE_UPDATE
+    + """
         )
         SELECT * FROM claimed;
     END
@@ -1174,6 +1181,55 @@ _CONDITIONS_IN_THE_FUNCTIONS = (
     _counting_trigger("tasks_key_running", "concurrency_key", None, "count_key_running"),
     "DROP FUNCTION {schema}.batch_change_counted(text, text)",
     "DROP FUNCTION {schema}.key_change_counted(text, text)",
+)
+
+# Migration 21: an attempt's conclusion and the claim of the next task in one commit. With
+# claim_next, the round trip that ended an attempt committed the success mark and the ack,
+# then the claim in a transaction of its own: two commits to wait for, one for the
+# claim alone. This function concludes the attempt (conclude_attempt(), which raises when
+# the fence fails, so nothing is claimed) and then claims the next task of the queue, as
+# sql.CLAIM_ONE does, in the caller's transaction: one commit for both. The claim runs in
+# a block of its own: when it fails (a trigger of the caller's refuses the task, say), its
+# changes are undone alone, the error goes to the server's log as a warning, and the
+# conclusion still commits, with no next task. Its rows end with the task's concurrency
+# key, as a plain claim's do, so the next lease knows whether it is keyless: a lease whose
+# task has a key concludes apart from the next claim (see sql.CONCLUDE_ATTEMPT_AND_CLAIM).
+# tests/unit/test_statements.py holds the claim to sql.CLAIM_ONE.
+_CONCLUDE_AND_CLAIM = (
+    """
+    CREATE FUNCTION {schema}.conclude_and_claim(
+        p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb,
+        p_queue text, p_worker text, p_lease double precision, p_default_lease double precision
+    ) RETURNS TABLE (
+        id bigint, payload jsonb, priority integer, attempts integer, max_attempts integer,
+        lease_token bigint, lease_expires_at timestamptz, idempotency_key text,
+        lease_seconds double precision, run_at timestamptz, next_token_in double precision,
+        concurrency_key text
+    )
+    LANGUAGE plpgsql AS $$
+    #variable_conflict use_column
+    DECLARE
+        v_claimed boolean;
+    BEGIN
+        PERFORM {schema}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
+        BEGIN
+"""
+    + _CLAIM_ONE_UPDATE
+    + """, t.concurrency_key
+            INTO id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
+                 idempotency_key, lease_seconds, run_at, next_token_in, concurrency_key;
+            v_claimed := FOUND;
+        EXCEPTION WHEN OTHERS THEN
+            RAISE WARNING 'task % concluded, but the claim of the next task after it failed: %',
+                p_task_id, SQLERRM;
+            RETURN;
+        END;
+        IF v_claimed THEN
+            RETURN NEXT;
+        END IF;
+    END
+    $$
+"""
 )
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -1512,6 +1568,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         20,
         "counting triggers whose conditions are their column's NULL test alone",
         _CONDITIONS_IN_THE_FUNCTIONS,
+    ),
+    Migration(
+        21,
+        "an attempt's conclusion and the claim of the next task in one commit",
+        (_CONCLUDE_AND_CLAIM,),
     ),
 )
 

@@ -963,6 +963,21 @@ CONCLUDE_EMPTY_ATTEMPT = _CONCLUDE + RESET_SESSION
 CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 # With claim_next, the next claim rides in the same script, last: after the session's
 # settings and role are reset, so that it runs as the package's own statements do.
+#
+# For a lease whose task has no concurrency key, on a queue the plain claim takes, the
+# claim commits with the attempt instead (one commit to wait for, not two): the session's
+# reset first, inside the attempt's transaction, then the conclusion and the claim in one
+# function (migration 21). The reset's statements are transactional: they commit with the
+# conclusion, and a conclusion that fails takes them back with it, to be reset apart; the
+# conclusion and the claim run with the package's settings and role. A task with a key
+# concludes apart, as above: the ack holds its key's row until the commit, and a claim
+# waiting meanwhile for another key's row could deadlock with a worker crossing keys.
+_CONCLUDE_AND_CLAIM = (
+    "SELECT * FROM {schema}.conclude_and_claim(%(attempt_id)s, %(task_id)s, %(token)s, "
+    "%(result)s, %(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)"
+)
+CONCLUDE_ATTEMPT_AND_CLAIM = RESET_SESSION + "; " + _CONCLUDE_AND_CLAIM + "; COMMIT"
+CONCLUDE_EMPTY_ATTEMPT_AND_CLAIM = RESET_SESSION + "; " + _CONCLUDE_AND_CLAIM
 LEASE_GONE = "LQ001"
 # The unique index that allows one success per key.
 SUCCESS_INDEX = "attempts_success_idx"

@@ -339,19 +339,68 @@ def test_an_attempt_claims_the_next_task_of_a_controlled_queue_within_its_limit(
         pass
 
 
-def test_an_attempt_that_ran_no_statement_commits_apart_from_the_next_claim(
+def test_an_attempt_commits_with_the_next_claim_when_its_task_has_no_key(
     queue: LeaseQueue,
 ) -> None:
-    # In one transaction, the claim would wait for its key's row while holding the
-    # conclusion's: two workers crossing keys would deadlock.
-    first, second = queue.enqueue_many([{"n": 1}, {"n": 2}])
+    # One commit to wait for, not two, whether the work ran a statement or not.
+    run_sql(queue, "CREATE TABLE {schema}.effects (task_id bigint PRIMARY KEY, xact bigint)")
+    _record_transactions(queue)
+    ids = queue.enqueue_many([{"n": n} for n in range(3)])
     lease = queue.claim()
-    assert lease is not None
+    assert lease is not None and lease.keyless
     with queue.attempt(lease=lease, claim_next=True) as attempt:
         pass  # no statement: the attempt's transaction never began
+    second = attempt.claimed
+    assert second is not None and second.task_id == ids[1] and second.keyless
+    assert len(set(_last_commits(queue, ids[:2]))) == 1
+    with queue.attempt(lease=second, claim_next=True) as attempt:
+        attempt.connection.execute(
+            f'INSERT INTO "{queue.schema}".effects VALUES (%s, txid_current())', (second.task_id,)
+        )
+    third = attempt.claimed
+    assert third is not None and third.task_id == ids[2]
+    (effect,) = run_sql(queue, "SELECT xact FROM {schema}.effects")
+    assert _last_commits(queue, ids[1:]) == [effect[0], effect[0]]
+
+
+def _record_transactions(queue: LeaseQueue) -> None:
+    """Log each task's changes of status with the (top-level) transaction that made them."""
+    run_sql(
+        queue,
+        """
+        CREATE TABLE {schema}.changes (task_id bigint, status text, xact bigint);
+        CREATE FUNCTION {schema}.log_change() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO {schema}.changes VALUES (NEW.id, NEW.status, txid_current());
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER log_change AFTER UPDATE OF status ON {schema}.tasks FOR EACH ROW
+            EXECUTE FUNCTION {schema}.log_change();
+        """,
+    )
+
+
+def _last_commits(queue: LeaseQueue, ids: list[int]) -> list[int]:
+    """The transaction that last changed each task's status."""
+    rows = run_sql(queue, "SELECT task_id, xact FROM {schema}.changes ORDER BY xact")
+    commits = dict(rows)
+    return [commits[task_id] for task_id in ids]
+
+
+def test_an_attempt_on_a_task_with_a_key_commits_apart_from_the_next_claim(
+    queue: LeaseQueue,
+) -> None:
+    # In one transaction, the claim would wait for another key's row while the ack holds
+    # its own: two workers crossing keys would deadlock.
+    _record_transactions(queue)
+    first = queue.enqueue({"n": 1}, concurrency_key="customer-1")
+    second = queue.enqueue({"n": 2})
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == first and not lease.keyless
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        pass
     assert attempt.claimed is not None and attempt.claimed.task_id == second
-    commits = dict(run_sql(queue, "SELECT id, xmin::text::bigint FROM {schema}.tasks ORDER BY id"))
-    assert commits[first] != commits[second]
+    assert len(set(_last_commits(queue, [first, second]))) == 2
 
 
 def test_a_claim_that_fails_after_the_attempt_committed_costs_the_attempt_nothing(

@@ -49,23 +49,37 @@ def test_the_two_claims_pick_set_and_return_alike() -> None:
 
 
 def test_the_claim_in_a_script_is_the_plain_claim_of_one_task() -> None:
-    # claim_one() (migration 13) runs sql.CLAIM_ONE with its parameters named.
+    # claim_one() (migration 13) runs sql.CLAIM_ONE with its parameters named, up to the
+    # key column a plain claim adds for the worker's ack (the function's columns are fixed
+    # by its migration).
     (function,) = migrations.MIGRATIONS[12].statements
-    # Up to the key column a plain claim adds for the worker's ack (the function's columns
-    # are fixed by its migration).
-    named = (
-        _leased(sql.CLAIM_ONE)
+    body = _parenthesised(function)
+    assert _in_a_function(_leased(sql.CLAIM_ONE)) in body
+    assert "CLAIM_ONE" not in body and "%(" not in body
+
+
+def test_the_claim_that_commits_with_an_attempt_is_the_plain_claim_of_one_task() -> None:
+    # conclude_and_claim() (migration 21) runs sql.CLAIM_ONE whole, its parameters named.
+    (function,) = migrations.MIGRATIONS[20].statements
+    body = _parenthesised(function)
+    assert _in_a_function(sql.CLAIM_ONE) + " INTO id," in body
+    assert "CLAIM_ONE" not in body and "%(" not in body
+
+
+def _in_a_function(claim: str) -> str:
+    """A claim as a function runs it: its parameters named, its limit 1."""
+    return _parenthesised(
+        _flat(claim)
         .replace("%(queue)s", "p_queue")
         .replace("%(worker_id)s", "p_worker")
         .replace("%(lease_seconds)s", "p_lease")
         .replace("%(default_lease)s", "p_default_lease")
         .replace("{limit}", "1")
-        .replace("( ", "(")
-        .replace(" )", ")")
     )
-    body = _flat(function).replace("( ", "(").replace(" )", ")")
-    assert named in body
-    assert "CLAIM_ONE" not in body and "%(" not in body
+
+
+def _parenthesised(text: str) -> str:
+    return _flat(text).replace("( ", "(").replace(" )", ")")
 
 
 def _leased(claim: str) -> str:
