@@ -153,8 +153,10 @@ def run_attempt(
     took its place.
 
     With ``claim_next`` (and a lease), the round trip that concludes the attempt also claims
-    the next task of the lease's queue, for its worker, in a commit of its own after the
-    attempt's: a conclusion that fails claims nothing.
+    the next task of the lease's queue, for its worker: in the attempt's own commit when
+    the task has no concurrency key and the queue no flow control, else in a commit of its
+    own after it. A conclusion that fails claims nothing, and a claim that fails costs the
+    conclusion nothing.
     """
     # The session is reset when the attempt ends: by its commit, else in the finally below.
     conn = cached.conn
