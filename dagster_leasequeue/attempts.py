@@ -214,12 +214,18 @@ class _NextClaim:
 
     def lease(self, cached: CachedConnection) -> Lease | None:
         """The claimed task's lease; a plain claim that found nothing asks once more whether
-        the queue is controlled (on the attempt's connection, its session reset)."""
+        the queue is controlled, and a claim made with the conclusion that returned nothing
+        (none was due, or it was not made: see sql.CONCLUDE_ATTEMPT_AND_CLAIM) is made
+        again apart (on the attempt's connection, its session reset)."""
         rows = self.rows
         if not rows and self._plain and not self.failed:
+            claims = self._driver.claims
             try:
                 with self._driver.errors:
-                    rows = self._driver.claims.claim_if_controlled(cached, 1, self.params)
+                    if self.together:
+                        rows = claims.claim(cached, 1, self.params)
+                    else:
+                        rows = claims.claim_if_controlled(cached, 1, self.params)
             except LeaseQueueError as exc:
                 # The attempt concluded: a failed claim after it only means no next task.
                 logger.warning("the claim after task %s's attempt failed: %s", self._task, exc)
@@ -324,9 +330,10 @@ def _conclude(
     the next claim with ``claim``; False when the session is left to reset.
 
     One round trip (``script``: see sql.CONCLUDE_ATTEMPT); the commit happens only if the
-    mark and the ack both went through, and the claim only after it. A claim that fails
-    after that commit (a conflict, a timeout) costs the attempt nothing: it succeeded, and
-    no next task comes with it.
+    mark and the ack both went through. The claim comes before that commit, undone alone
+    when it fails (sql.CONCLUDE_ATTEMPT_AND_CLAIM), or after it: either way a claim that
+    fails (a conflict, a timeout) costs the attempt nothing, and no next task comes with it
+    (the first kind is made again apart: see _NextClaim.lease).
     """
     params: dict[str, Any] = {
         "attempt_id": None if attempt.duplicate else attempt.id,
@@ -370,7 +377,10 @@ def _conclude(
         if claim is None:
             deallocate_leftovers(cursor)
         else:
-            *_, (reset,), claim.rows = _result_rows(cursor)
+            if claim.together:
+                *_, claim.rows, (reset,) = _result_rows(cursor)
+            else:
+                *_, (reset,), claim.rows = _result_rows(cursor)
             deallocate(cached.conn, reset[-1])
     except psycopg.Error:
         cached.conn.close()  # the pool discards a closed connection

@@ -1195,9 +1195,8 @@ _CONDITIONS_IN_THE_FUNCTIONS = (
 # key, as a plain claim's do, so the next lease knows whether it is keyless: a lease whose
 # task has a key concludes apart from the next claim (see sql.CONCLUDE_ATTEMPT_AND_CLAIM).
 # tests/unit/test_statements.py holds the claim to sql.CLAIM_ONE.
-_CONCLUDE_AND_CLAIM = (
-    """
-    CREATE FUNCTION {schema}.conclude_and_claim(
+_CONCLUDE_AND_CLAIM_HEAD = """
+    CREATE {replace}FUNCTION {{schema}}.conclude_and_claim(
         p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb,
         p_queue text, p_worker text, p_lease double precision, p_default_lease double precision
     ) RETURNS TABLE (
@@ -1209,27 +1208,73 @@ _CONCLUDE_AND_CLAIM = (
     LANGUAGE plpgsql AS $$
     #variable_conflict use_column
     DECLARE
-        v_claimed boolean;
+        v_claimed boolean;{declare}
     BEGIN
-        PERFORM {schema}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
-        BEGIN
+        PERFORM {{schema}}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
+{before}        BEGIN
 """
-    + _CLAIM_ONE_UPDATE
-    + """, t.concurrency_key
+_CONCLUDE_AND_CLAIM_TAIL = """, t.concurrency_key
             INTO id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
                  idempotency_key, lease_seconds, run_at, next_token_in, concurrency_key;
             v_claimed := FOUND;
         EXCEPTION WHEN OTHERS THEN
-            RAISE WARNING 'task % concluded, but the claim of the next task after it failed: %',
+{after_handler}            RAISE WARNING {warning},
                 p_task_id, SQLERRM;
             RETURN;
         END;
-        IF v_claimed THEN
+{after}        IF v_claimed THEN
             RETURN NEXT;
         END IF;
     END
     $$
 """
+
+
+def _conclude_and_claim(
+    *, replace: bool, declare: str, before: str, after: str, warning: str
+) -> str:
+    """conclude_and_claim() as a migration creates it (see migrations 21 and 22)."""
+    head = _CONCLUDE_AND_CLAIM_HEAD.format(
+        replace="OR REPLACE " if replace else "", declare=declare, before=before
+    )
+    tail = _CONCLUDE_AND_CLAIM_TAIL.format(
+        after=after, after_handler=indent(after, "    "), warning=warning
+    )
+    return head + _CLAIM_ONE_UPDATE + tail
+
+
+_CONCLUDE_AND_CLAIM = _conclude_and_claim(
+    replace=False,
+    declare="",
+    before="",
+    after="",
+    warning="'task % concluded, but the claim of the next task after it failed: %'",
+)
+
+# Migration 22: conclude_and_claim() claims only in a READ COMMITTED transaction, and
+# waits at most CLAIM_LOCK_TIMEOUT for a lock. A work that ran under REPEATABLE READ or
+# SERIALIZABLE would have the claim read with its snapshot, and under SERIALIZABLE the
+# claim's reads could fail the commit and take the work's effects with them. A claim that
+# waited (for a key's row, the only lock it can wait for) would hold the attempt's locks
+# meanwhile. In either case the function returns no task and the client claims the next
+# apart, after the commit (attempts._NextClaim).
+CLAIM_LOCK_TIMEOUT = "100ms"
+_CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(
+    replace=True,
+    declare="\n        v_lock_timeout text;",
+    before="""\
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            RETURN;
+        END IF;
+        v_lock_timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', '"""
+    + CLAIM_LOCK_TIMEOUT
+    + """', true);
+""",
+    after="""\
+        PERFORM set_config('lock_timeout', v_lock_timeout, true);
+""",
+    warning="'the claim of the next task after task % failed (it is claimed apart): %'",
 )
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -1573,6 +1618,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         21,
         "an attempt's conclusion and the claim of the next task in one commit",
         (_CONCLUDE_AND_CLAIM,),
+    ),
+    Migration(
+        22,
+        "the claim that commits with an attempt: READ COMMITTED only, its lock waits bounded",
+        (_CONCLUDE_AND_CLAIM_V22,),
     ),
 )
 

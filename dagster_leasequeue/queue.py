@@ -860,11 +860,12 @@ class LeaseQueue:
 
         With ``claim_next=True`` (and a lease), the round trip that concludes the attempt
         also claims the next task of the lease's queue for its worker, in the attempt's
-        commit (after it, when the task has a concurrency key or the queue flow control);
-        a claim that fails costs the attempt nothing. After the block, ``attempt.claimed``
-        holds its lease (None when no task was due or the attempt did not conclude).
-        ``next_lease_seconds`` is that lease's length, as ``lease_seconds`` is a claim's. A
-        lease whose ``want_next()`` was called concludes this way without being told.
+        commit (after it, when the task has or may have a concurrency key, the queue has
+        flow control, or the work runs above READ COMMITTED); a claim that fails costs the
+        attempt nothing. After the block, ``attempt.claimed`` holds its lease (None when
+        no task was due or the attempt did not conclude). ``next_lease_seconds`` is that
+        lease's length, as ``lease_seconds`` is a claim's. A lease whose ``want_next()``
+        was called concludes this way without being told.
         """
         if claim_next and lease is None:
             raise ConfigurationError("attempt(claim_next=True) needs a lease")

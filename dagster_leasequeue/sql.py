@@ -177,10 +177,13 @@ CLAIM_FLOW = """
         %(queue)s, {limit}, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)
 """
 QUEUE_CONTROLLED = "SELECT " + _CONTROLLED
-# CLAIM_ONE as a function (migration 13), for a claim that rides in a script.
+# CLAIM_ONE as a function (migration 13), for a claim that rides in a script, with the
+# claimed task's concurrency key last, as CLAIM_ONE's rows have it (the function's columns
+# were fixed before keys), so that its lease knows whether it is keyless.
 CLAIM_ONE_CALL = """
-    SELECT * FROM {schema}.claim_one(
-        %(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)
+    SELECT c.*, t.concurrency_key
+    FROM {schema}.claim_one(%(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s) AS c
+    JOIN {schema}.tasks AS t ON t.id = c.id
 """
 
 ENSURE_QUEUE_FLOW = """
@@ -965,19 +968,21 @@ CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 # settings and role are reset, so that it runs as the package's own statements do.
 #
 # For a lease whose task has no concurrency key, on a queue the plain claim takes, the
-# claim commits with the attempt instead (one commit to wait for, not two): the session's
-# reset first, inside the attempt's transaction, then the conclusion and the claim in one
-# function (migration 21). The reset's statements are transactional: they commit with the
-# conclusion, and a conclusion that fails takes them back with it, to be reset apart; the
-# conclusion and the claim run with the package's settings and role. A task with a key
-# concludes apart, as above: the ack holds its key's row until the commit, and a claim
-# waiting meanwhile for another key's row could deadlock with a worker crossing keys.
+# claim commits with the attempt instead, one commit to wait for and not two: the
+# conclusion and the claim are one function (migrations 21 and 22), before the COMMIT, and
+# the session's reset follows it, as it follows any conclusion (so a deferred trigger of
+# the borrower's still runs with its settings and role, and its advisory locks hold until
+# the commit). The claim is made in READ COMMITTED only, waits for no lock longer than
+# migrations.CLAIM_LOCK_TIMEOUT, and a claim that fails is undone alone: with no row back,
+# the client claims the next task apart (attempts._NextClaim). A task with a key concludes
+# apart, as above: the ack holds its key's row until the commit, and a claim waiting
+# meanwhile for another key's row could deadlock with a worker crossing keys.
 _CONCLUDE_AND_CLAIM = (
     "SELECT * FROM {schema}.conclude_and_claim(%(attempt_id)s, %(task_id)s, %(token)s, "
     "%(result)s, %(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)"
 )
-CONCLUDE_ATTEMPT_AND_CLAIM = RESET_SESSION + "; " + _CONCLUDE_AND_CLAIM + "; COMMIT"
-CONCLUDE_EMPTY_ATTEMPT_AND_CLAIM = RESET_SESSION + "; " + _CONCLUDE_AND_CLAIM
+CONCLUDE_ATTEMPT_AND_CLAIM = _CONCLUDE_AND_CLAIM + "; COMMIT; " + RESET_SESSION
+CONCLUDE_EMPTY_ATTEMPT_AND_CLAIM = "BEGIN; " + CONCLUDE_ATTEMPT_AND_CLAIM
 LEASE_GONE = "LQ001"
 # The unique index that allows one success per key.
 SUCCESS_INDEX = "attempts_success_idx"

@@ -11,6 +11,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from dagster_leasequeue import (
+    Attempt,
     ConfigurationError,
     Lease,
     LeaseLost,
@@ -401,6 +402,117 @@ def test_an_attempt_on_a_task_with_a_key_commits_apart_from_the_next_claim(
         pass
     assert attempt.claimed is not None and attempt.claimed.task_id == second
     assert len(set(_last_commits(queue, [first, second]))) == 2
+
+
+def test_a_deferred_trigger_of_the_work_runs_with_the_borrowers_settings(
+    queue: LeaseQueue,
+) -> None:
+    # The session is reset after the commit, as at the end of any attempt.
+    run_sql(
+        queue,
+        """
+        CREATE TABLE {schema}.effects (task_id bigint PRIMARY KEY, seen text);
+        CREATE FUNCTION {schema}.note_setting() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            UPDATE {schema}.effects SET seen = current_setting('app.note', true)
+            WHERE task_id = NEW.task_id;
+            RETURN NULL;
+        END $$;
+        CREATE CONSTRAINT TRIGGER note_setting AFTER INSERT ON {schema}.effects
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {schema}.note_setting();
+        """,
+    )
+    queue.enqueue_many([{"n": 1}, {"n": 2}])
+    lease = queue.claim()
+    assert lease is not None and lease.keyless
+    attempt = _conclude_with_an_effect(queue, lease, "SET app.note = 'borrowed'")
+    assert attempt.claimed is not None
+    assert run_sql(queue, "SELECT seen FROM {schema}.effects") == [("borrowed",)]
+    with queue.connection() as conn:
+        assert conn.execute("SELECT current_setting('app.note', true)").fetchone() in (
+            ("",),
+            (None,),
+        )
+
+
+def test_work_under_repeatable_read_concludes_and_claims_the_next_task_apart(
+    queue: LeaseQueue,
+) -> None:
+    run_sql(queue, "CREATE TABLE {schema}.effects (task_id bigint PRIMARY KEY)")
+    _record_transactions(queue)
+    first, second = queue.enqueue_many([{"n": 1}, {"n": 2}])
+    lease = queue.claim()
+    assert lease is not None and lease.keyless
+    attempt = _conclude_with_an_effect(
+        queue, lease, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"
+    )
+    assert attempt.claimed is not None and attempt.claimed.task_id == second
+    assert queue.get(first).status == "done"
+    assert len(set(_last_commits(queue, [first, second]))) == 2
+
+
+def _conclude_with_an_effect(queue: LeaseQueue, lease: Lease, statement: str) -> Attempt:
+    """An attempt with claim_next that runs ``statement``, then writes the task's effect."""
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        attempt.connection.execute(statement)
+        attempt.connection.execute(
+            f'INSERT INTO "{queue.schema}".effects VALUES (%s)', (lease.task_id,)
+        )
+    return attempt
+
+
+def test_a_claim_that_would_wait_for_a_keys_row_leaves_the_conclusion_to_commit(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # The claim made with the conclusion waits for a lock briefly, then is made apart:
+    # the attempt's commit does not wait for whoever holds the next task's key.
+    first = queue.enqueue({"n": 1})
+    keyed = queue.enqueue({"n": 2}, concurrency_key="customer-1")
+    run_sql(queue, "INSERT INTO {schema}.flow_keys (queue, key) VALUES ('default', 'customer-1')")
+    holder = psycopg.connect(dsn)
+    holder.execute(
+        f'SELECT * FROM "{queue.schema}".flow_keys WHERE key = %s FOR UPDATE', ("customer-1",)
+    )
+    seen: list[str] = []
+
+    def release_once_concluded() -> None:
+        # Poll from a connection of its own until the first task is done, then let go.
+        with psycopg.connect(dsn, autocommit=True) as watcher:
+            for _ in range(200):
+                row = watcher.execute(
+                    f'SELECT status FROM "{queue.schema}".tasks WHERE id = %s', (first,)
+                ).fetchone()
+                if row and row[0] == "done":
+                    seen.append("done while the key was held")
+                    break
+                threading.Event().wait(0.05)
+        holder.rollback()
+
+    releaser = threading.Thread(target=release_once_concluded)
+    releaser.start()
+    try:
+        lease = queue.claim()
+        assert lease is not None and lease.task_id == first and lease.keyless
+        with queue.attempt(lease=lease, claim_next=True) as attempt:
+            pass
+    finally:
+        releaser.join(timeout=30)
+        holder.close()
+    assert seen == ["done while the key was held"]
+    assert attempt.claimed is not None and attempt.claimed.task_id == keyed
+
+
+def test_the_lease_claimed_after_a_keyed_conclusion_knows_it_has_no_key(
+    queue: LeaseQueue,
+) -> None:
+    # So that a loop that once concluded apart commits its next claims with it again.
+    queue.enqueue({"n": 1}, concurrency_key="customer-1")
+    queue.enqueue({"n": 2})
+    lease = queue.claim()
+    assert lease is not None and not lease.keyless
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        pass
+    assert attempt.claimed is not None and attempt.claimed.keyless
 
 
 def test_a_claim_that_fails_after_the_attempt_committed_costs_the_attempt_nothing(

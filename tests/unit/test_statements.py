@@ -59,11 +59,13 @@ def test_the_claim_in_a_script_is_the_plain_claim_of_one_task() -> None:
 
 
 def test_the_claim_that_commits_with_an_attempt_is_the_plain_claim_of_one_task() -> None:
-    # conclude_and_claim() (migration 21) runs sql.CLAIM_ONE whole, its parameters named.
-    (function,) = migrations.MIGRATIONS[20].statements
-    body = _parenthesised(function)
-    assert _in_a_function(sql.CLAIM_ONE) + " INTO id," in body
-    assert "CLAIM_ONE" not in body and "%(" not in body
+    # conclude_and_claim() (migrations 21 and 22) runs sql.CLAIM_ONE whole, its parameters
+    # named.
+    for migration in migrations.MIGRATIONS[20:22]:
+        (function,) = migration.statements
+        body = _parenthesised(function)
+        assert _in_a_function(sql.CLAIM_ONE) + " INTO id," in body
+        assert "CLAIM_ONE" not in body and "%(" not in body
 
 
 def _in_a_function(claim: str) -> str:
