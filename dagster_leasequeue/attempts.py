@@ -213,23 +213,22 @@ class _NextClaim:
         self.failed = False
 
     def lease(self, cached: CachedConnection) -> Lease | None:
-        """The claimed task's lease; a plain claim that found nothing asks once more whether
-        the queue is controlled, and a claim made with the conclusion that returned nothing
-        (none was due, or it was not made: see sql.CONCLUDE_ATTEMPT_AND_CLAIM) is made
-        again apart (on the attempt's connection, its session reset)."""
+        """The claimed task's lease. A plain claim that found nothing asks once more whether
+        the queue is controlled, and a claim that was to be made with the conclusion but was
+        not (a row of NULLs: see sql.CONCLUDE_ATTEMPT_AND_CLAIM) is made apart, on the
+        attempt's connection, its session reset."""
         rows = self.rows
-        if not rows and self._plain and not self.failed:
-            claims = self._driver.claims
-            try:
-                with self._driver.errors:
-                    if self.together:
-                        rows = claims.claim(cached, 1, self.params)
-                    else:
-                        rows = claims.claim_if_controlled(cached, 1, self.params)
-            except LeaseQueueError as exc:
-                # The attempt concluded: a failed claim after it only means no next task.
-                logger.warning("the claim after task %s's attempt failed: %s", self._task, exc)
-                return None
+        claims = self._driver.claims
+        try:
+            with self._driver.errors:
+                if self.together and rows and rows[0][0] is None:
+                    rows = claims.claim(cached, 1, self.params)
+                elif not rows and self._plain and not self.failed:
+                    rows = claims.claim_if_controlled(cached, 1, self.params)
+        except LeaseQueueError as exc:
+            # The attempt concluded: a failed claim after it only means no next task.
+            logger.warning("the claim after task %s's attempt failed: %s", self._task, exc)
+            return None
         leases = leases_from_rows(
             self._driver, rows, queue=self._queue, worker_id=self._worker_id, sent=self.sent
         )
@@ -348,6 +347,8 @@ def _conclude(
         params |= claim.params
         claim.sent = time.monotonic()
     try:
+        if claim is not None and claim.together:
+            return _conclude_with_claim(cached, text, params, claim, lease)
         cursor = cached.execute_script(text, params)
     except psycopg.Error as exc:
         # Only the success index means another attempt won; the caller's own unique
@@ -377,11 +378,41 @@ def _conclude(
         if claim is None:
             deallocate_leftovers(cursor)
         else:
-            if claim.together:
-                *_, claim.rows, (reset,) = _result_rows(cursor)
-            else:
-                *_, (reset,), claim.rows = _result_rows(cursor)
+            *_, (reset,), claim.rows = _result_rows(cursor)
             deallocate(cached.conn, reset[-1])
+    except psycopg.Error:
+        cached.conn.close()  # the pool discards a closed connection
+    return True
+
+
+def _conclude_with_claim(
+    cached: CachedConnection,
+    text: str,
+    params: dict[str, Any],
+    claim: _NextClaim,
+    lease: Lease | None,
+) -> bool:
+    """Run sql.CONCLUDE_ATTEMPT_AND_CLAIM: an error before its commit is raised; one after
+    it (the session's reset failed) keeps the task the commit claimed, and leaves the
+    session to reset."""
+    outcome = cached.run_script(text, params)
+    if outcome.error is not None and not outcome.committed:
+        raise outcome.error
+    claim.rows = outcome.rows[0]
+    if outcome.error is not None:
+        logger.warning(
+            "task %s concluded, but the session's reset after it failed: %s",
+            lease.task_id if lease else None,
+            outcome.error,
+        )
+        if claim.rows and claim.rows[0][0] is None:
+            claim.rows = []  # not made with the conclusion: not made on a session not reset
+        claim.failed = claim.succeeded = True
+        return False
+    # Committed: a failure to drop what the borrower PREPAREd only costs the connection.
+    try:
+        ((reset,),) = outcome.rows[-1]
+        deallocate(cached.conn, reset)
     except psycopg.Error:
         cached.conn.close()  # the pool discards a closed connection
     return True

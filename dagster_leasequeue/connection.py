@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import psycopg
 from psycopg import IsolationLevel, Transaction, errors as pg_errors, generators, pq, sql as pg_sql
 from psycopg.abc import Dumper, Loader, Params, PQGen
-from psycopg.adapt import AdaptersMap
+from psycopg.adapt import AdaptersMap, Transformer
 from psycopg.rows import RowFactory, tuple_row
 from psycopg.types import TypeInfo, TypesRegistry
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -406,6 +406,14 @@ class Executor(Protocol):
     def execute(self, query: str, params: Params | None = None) -> psycopg.Cursor[Any]: ...
 
 
+class ScriptOutcome(NamedTuple):
+    """What a script run by :meth:`CachedConnection.run_script` returned."""
+
+    rows: list[list[Row]]  # the rows of each statement that returned rows, in order
+    committed: bool  # a COMMIT in the script went through
+    error: psycopg.Error | None  # the failing statement's error (the rest did not run)
+
+
 class CachedConnection:
     """A connection taken from the pool, with a cursor of its own for each hot statement.
 
@@ -497,9 +505,35 @@ class CachedConnection:
         nothing, so a script should call functions or statements that are cheap to plan.
         The cursor holds the result of each statement (``nextset()`` moves on).
         """
+        return self._script_cursor().execute(script, params, prepare=False)
+
+    def run_script(self, script: str, params: Params) -> ScriptOutcome:
+        """As :meth:`execute_script`, but a statement that fails does not take the rows of
+        the statements before it with it: they come back beside its error."""
+        cursor = self._script_cursor()
+        query = cursor.mogrify(script, params).encode(self.conn.info.encoding)
+        conn = self.conn
+        with conn.lock:
+            conn.pgconn.send_query(query)
+            results: list[pq.abc.PGresult] = conn.wait(generators.execute(conn.pgconn))
+        loader = Transformer(cursor)
+        rows: list[list[Row]] = []
+        committed = False
+        for result in results:
+            if result.status == pq.ExecStatus.TUPLES_OK:
+                loader.set_pgresult(result)
+                rows.append(loader.load_rows(0, result.ntuples, tuple))
+            elif result.status == pq.ExecStatus.COMMAND_OK:
+                committed = committed or result.command_status == b"COMMIT"
+            else:
+                error = pg_errors.error_from_result(result, encoding=conn.info.encoding)
+                return ScriptOutcome(rows, committed, error)
+        return ScriptOutcome(rows, committed, None)
+
+    def _script_cursor(self) -> psycopg.ClientCursor[Any]:
         if self._script is None:
             self._script = psycopg.ClientCursor(self.conn, row_factory=tuple_row)
-        return self._script.execute(script, params, prepare=False)
+        return self._script
 
     def _cursor_for(self, query: str) -> psycopg.Cursor[Any]:
         if len(self._cursors) < self.MAX_CURSORS:

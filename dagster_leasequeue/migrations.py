@@ -1217,11 +1217,10 @@ _CONCLUDE_AND_CLAIM_TAIL = """, t.concurrency_key
             INTO id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
                  idempotency_key, lease_seconds, run_at, next_token_in, concurrency_key;
             v_claimed := FOUND;
-        EXCEPTION WHEN OTHERS THEN
+        EXCEPTION WHEN {handled} THEN
 {after_handler}            RAISE WARNING {warning},
                 p_task_id, SQLERRM;
-            RETURN;
-        END;
+{give_up}        END;
 {after}        IF v_claimed THEN
             RETURN NEXT;
         END IF;
@@ -1231,14 +1230,25 @@ _CONCLUDE_AND_CLAIM_TAIL = """, t.concurrency_key
 
 
 def _conclude_and_claim(
-    *, replace: bool, declare: str, before: str, after: str, warning: str
+    *,
+    replace: bool,
+    declare: str,
+    before: str,
+    after: str,
+    warning: str,
+    handled: str,
+    give_up: str,
 ) -> str:
     """conclude_and_claim() as a migration creates it (see migrations 21 and 22)."""
     head = _CONCLUDE_AND_CLAIM_HEAD.format(
         replace="OR REPLACE " if replace else "", declare=declare, before=before
     )
     tail = _CONCLUDE_AND_CLAIM_TAIL.format(
-        after=after, after_handler=indent(after, "    "), warning=warning
+        after=after,
+        after_handler=indent(after, "    "),
+        warning=warning,
+        handled=handled,
+        give_up=indent(give_up, " " * 12),
     )
     return head + _CLAIM_ONE_UPDATE + tail
 
@@ -1249,6 +1259,8 @@ _CONCLUDE_AND_CLAIM = _conclude_and_claim(
     before="",
     after="",
     warning="'task % concluded, but the claim of the next task after it failed: %'",
+    handled="OTHERS",
+    give_up="RETURN;\n",
 )
 
 # Migration 22: conclude_and_claim() claims only in a READ COMMITTED transaction, and
@@ -1256,15 +1268,23 @@ _CONCLUDE_AND_CLAIM = _conclude_and_claim(
 # SERIALIZABLE would have the claim read with its snapshot, and under SERIALIZABLE the
 # claim's reads could fail the commit and take the work's effects with them. A claim that
 # waited (for a key's row, the only lock it can wait for) would hold the attempt's locks
-# meanwhile. In either case the function returns no task and the client claims the next
-# apart, after the commit (attempts._NextClaim).
+# meanwhile. A claim cut by a statement timeout (the work's, which still applies) is undone
+# alone too, as a failing one is. When the claim is not made, or undone, the function
+# returns one row of NULLs and the client claims the next task apart, after the commit
+# (attempts._NextClaim); no row means that no task was due.
 CLAIM_LOCK_TIMEOUT = "100ms"
+_NO_CLAIM_MADE = """\
+RETURN NEXT;  -- a row of NULLs: the claim was not made
+RETURN;
+"""
 _CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(
     replace=True,
     declare="\n        v_lock_timeout text;",
     before="""\
         IF current_setting('transaction_isolation') <> 'read committed' THEN
-            RETURN;
+"""
+    + indent(_NO_CLAIM_MADE, "            ")
+    + """\
         END IF;
         v_lock_timeout := current_setting('lock_timeout');
         PERFORM set_config('lock_timeout', '"""
@@ -1275,6 +1295,8 @@ _CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(
         PERFORM set_config('lock_timeout', v_lock_timeout, true);
 """,
     warning="'the claim of the next task after task % failed (it is claimed apart): %'",
+    handled="OTHERS OR query_canceled",
+    give_up="id := NULL;\n" + _NO_CLAIM_MADE,
 )
 
 MIGRATIONS: tuple[Migration, ...] = (

@@ -179,11 +179,15 @@ CLAIM_FLOW = """
 QUEUE_CONTROLLED = "SELECT " + _CONTROLLED
 # CLAIM_ONE as a function (migration 13), for a claim that rides in a script, with the
 # claimed task's concurrency key last, as CLAIM_ONE's rows have it (the function's columns
-# were fixed before keys), so that its lease knows whether it is keyless.
+# were fixed before keys), so that its lease knows whether it is keyless. The key is read
+# by a subquery on the primary key, which never drops the claimed row: the function claims
+# with a snapshot of its own, newer than the statement's, and a task enqueued in between is
+# claimed but not seen by the statement. Its key then reads NULL and its lease is taken
+# for keyless, which costs at most a claim that waits migrations.CLAIM_LOCK_TIMEOUT for a
+# key's row before it is made apart.
 CLAIM_ONE_CALL = """
-    SELECT c.*, t.concurrency_key
+    SELECT c.*, (SELECT t.concurrency_key FROM {schema}.tasks AS t WHERE t.id = c.id)
     FROM {schema}.claim_one(%(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s) AS c
-    JOIN {schema}.tasks AS t ON t.id = c.id
 """
 
 ENSURE_QUEUE_FLOW = """
@@ -973,8 +977,10 @@ CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 # the session's reset follows it, as it follows any conclusion (so a deferred trigger of
 # the borrower's still runs with its settings and role, and its advisory locks hold until
 # the commit). The claim is made in READ COMMITTED only, waits for no lock longer than
-# migrations.CLAIM_LOCK_TIMEOUT, and a claim that fails is undone alone: with no row back,
-# the client claims the next task apart (attempts._NextClaim). A task with a key concludes
+# migrations.CLAIM_LOCK_TIMEOUT, and a claim that fails is undone alone: with a row of
+# NULLs back, the client claims the next task apart (attempts._NextClaim). The claim's rows
+# come back before the reset's: a reset that fails after the commit leaves them read
+# (CachedConnection.run_script), so a committed claim is never dropped. A task with a key concludes
 # apart, as above: the ack holds its key's row until the commit, and a claim waiting
 # meanwhile for another key's row could deadlock with a worker crossing keys.
 _CONCLUDE_AND_CLAIM = (

@@ -461,11 +461,15 @@ def _conclude_with_an_effect(queue: LeaseQueue, lease: Lease, statement: str) ->
     return attempt
 
 
+@pytest.mark.parametrize(
+    "work", [None, "SET LOCAL statement_timeout = '50ms'"], ids=["no statement", "a timeout"]
+)
 def test_a_claim_that_would_wait_for_a_keys_row_leaves_the_conclusion_to_commit(
-    queue: LeaseQueue, dsn: str
+    queue: LeaseQueue, dsn: str, work: str | None
 ) -> None:
-    # The claim made with the conclusion waits for a lock briefly, then is made apart:
-    # the attempt's commit does not wait for whoever holds the next task's key.
+    # The claim made with the conclusion waits for a lock briefly (or until the work's
+    # statement timeout cuts it), then is made apart: the attempt's commit does not wait
+    # for whoever holds the next task's key, nor fail for it.
     first = queue.enqueue({"n": 1})
     keyed = queue.enqueue({"n": 2}, concurrency_key="customer-1")
     run_sql(queue, "INSERT INTO {schema}.flow_keys (queue, key) VALUES ('default', 'customer-1')")
@@ -494,7 +498,8 @@ def test_a_claim_that_would_wait_for_a_keys_row_leaves_the_conclusion_to_commit(
         lease = queue.claim()
         assert lease is not None and lease.task_id == first and lease.keyless
         with queue.attempt(lease=lease, claim_next=True) as attempt:
-            pass
+            if work is not None:
+                attempt.connection.execute(work)
     finally:
         releaser.join(timeout=30)
         holder.close()
@@ -513,6 +518,65 @@ def test_the_lease_claimed_after_a_keyed_conclusion_knows_it_has_no_key(
     with queue.attempt(lease=lease, claim_next=True) as attempt:
         pass
     assert attempt.claimed is not None and attempt.claimed.keyless
+
+
+def test_a_task_enqueued_while_the_claim_after_a_conclusion_runs_is_not_lost(
+    queue: LeaseQueue,
+) -> None:
+    # claim_one() claims with a snapshot newer than its statement's: here it enqueues a
+    # task itself first, as a producer could in between, and claims that one.
+    run_sql(
+        queue,
+        """
+        ALTER FUNCTION {schema}.claim_one(text, text, double precision, double precision)
+            RENAME TO claim_one_as_installed;
+        CREATE FUNCTION {schema}.claim_one(
+            p_queue text, p_worker text, p_lease double precision, p_default_lease double precision
+        ) RETURNS TABLE (
+            id bigint, payload jsonb, priority integer, attempts integer,
+            max_attempts integer, lease_token bigint, lease_expires_at timestamptz,
+            idempotency_key text, lease_seconds double precision, run_at timestamptz,
+            next_token_in double precision
+        ) LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO {schema}.tasks (queue, payload, priority, max_attempts)
+            VALUES (p_queue, '{"late": true}', 10, 3);
+            RETURN QUERY SELECT * FROM {schema}.claim_one_as_installed(
+                p_queue, p_worker, p_lease, p_default_lease);
+        END $$;
+        """,
+    )
+    queue.enqueue({"n": 1}, concurrency_key="customer-1")  # concluded apart from its claim
+    lease = queue.claim()
+    assert lease is not None and not lease.keyless
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        pass
+    assert attempt.claimed is not None and attempt.claimed.payload == {"late": True}
+    assert statuses(queue) == {"done": 1, "processing": 1}
+
+
+def test_a_session_reset_that_fails_after_the_commit_keeps_the_task_it_claimed(
+    queue: LeaseQueue,
+) -> None:
+    first, second = queue.enqueue_many([{"n": 1}, {"n": 2}])
+    lease = queue.claim()
+    assert lease is not None and lease.keyless
+    run_sql(
+        queue,
+        """
+        ALTER FUNCTION {schema}.reset_session() RENAME TO reset_session_as_installed;
+        CREATE FUNCTION {schema}.reset_session() RETURNS text[] LANGUAGE plpgsql AS $$
+        BEGIN
+            RAISE EXCEPTION 'no reset today';
+        END $$;
+        """,
+    )
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        pass
+    assert queue.get(first).status == "done"
+    assert attempt.claimed is not None and attempt.claimed.task_id == second
+    attempt.claimed.ack()
+    assert statuses(queue) == {"done": 2}
 
 
 def test_a_claim_that_fails_after_the_attempt_committed_costs_the_attempt_nothing(
