@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
 from psycopg import IsolationLevel, Transaction, errors as pg_errors, generators, pq, sql as pg_sql
-from psycopg.abc import Dumper, Loader, Params, PQGen
+from psycopg.abc import Dumper, Loader, Params, PQGen, Transformer as TransformerProtocol
 from psycopg.adapt import AdaptersMap, Transformer
 from psycopg.rows import RowFactory, tuple_row
 from psycopg.types import TypeInfo, TypesRegistry
@@ -427,7 +427,7 @@ class CachedConnection:
 
     MAX_CURSORS = 8
 
-    __slots__ = ("_cursors", "_fast", "_script", "_shared", "conn", "taken_at")
+    __slots__ = ("_cursors", "_fast", "_script", "_script_loader", "_shared", "conn", "taken_at")
 
     def __init__(self, conn: QueueConnection) -> None:
         self.conn = conn
@@ -435,6 +435,7 @@ class CachedConnection:
         self._cursors: dict[str, psycopg.Cursor[Any]] = {}
         self._shared: psycopg.Cursor[Any] | None = None
         self._script: psycopg.ClientCursor[Any] | None = None
+        self._script_loader: TransformerProtocol | None = None
         self._fast: FastStatements | None = None
 
     def execute(self, query: str, params: Params | None = None) -> psycopg.Cursor[Any]:
@@ -516,7 +517,9 @@ class CachedConnection:
         with conn.lock:
             conn.pgconn.send_query(query)
             results: list[pq.abc.PGresult] = conn.wait(generators.execute(conn.pgconn))
-        loader = Transformer(cursor)
+        if self._script_loader is None:
+            self._script_loader = Transformer(cursor)
+        loader = self._script_loader
         rows: list[list[Row]] = []
         committed = False
         for result in results:
@@ -549,6 +552,7 @@ class CachedConnection:
         self._cursors.clear()
         self._shared = None
         self._script = None
+        self._script_loader = None
         self._fast = None
 
     def _new_cursor(self) -> psycopg.Cursor[Any]:
