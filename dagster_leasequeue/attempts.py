@@ -201,7 +201,7 @@ class _NextClaim:
     def __init__(self, driver: QueueDriver, lease: Lease, lease_seconds: float | None) -> None:
         self._driver = driver
         self._queue = lease.queue
-        self._task = lease.task_id
+        self.task = lease.task_id  # the task whose attempt carries the claim
         self._worker_id = lease.worker_id or ""
         self.params = driver.claims.params(self._queue, self._worker_id, lease_seconds)
         self.statement, self._plain = driver.claims.script_statement(self._queue)
@@ -227,7 +227,7 @@ class _NextClaim:
                     rows = claims.claim_if_controlled(cached, 1, self.params)
         except LeaseQueueError as exc:
             # The attempt concluded: a failed claim after it only means no next task.
-            logger.warning("the claim after task %s's attempt failed: %s", self._task, exc)
+            logger.warning("the claim after task %s's attempt failed: %s", self.task, exc)
             return None
         leases = leases_from_rows(
             self._driver, rows, queue=self._queue, worker_id=self._worker_id, sent=self.sent
@@ -348,7 +348,7 @@ def _conclude(
         claim.sent = time.monotonic()
     try:
         if claim is not None and claim.together:
-            return _conclude_with_claim(cached, text, params, claim, lease)
+            return _conclude_with_claim(cached, text, params, claim)
         cursor = cached.execute_script(text, params)
     except psycopg.Error as exc:
         # Only the success index means another attempt won; the caller's own unique
@@ -390,7 +390,6 @@ def _conclude_with_claim(
     text: str,
     params: dict[str, Any],
     claim: _NextClaim,
-    lease: Lease | None,
 ) -> bool:
     """Run sql.CONCLUDE_ATTEMPT_AND_CLAIM: an error before its commit is raised; one after
     it (the session's reset failed) keeps the task the commit claimed, and leaves the
@@ -402,7 +401,7 @@ def _conclude_with_claim(
     if outcome.error is not None:
         logger.warning(
             "task %s concluded, but the session's reset after it failed: %s",
-            lease.task_id if lease else None,
+            claim.task,
             outcome.error,
         )
         if claim.rows and claim.rows[0][0] is None:

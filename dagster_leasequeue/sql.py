@@ -980,9 +980,9 @@ CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 # migrations.CLAIM_LOCK_TIMEOUT, and a claim that fails is undone alone: with a row of
 # NULLs back, the client claims the next task apart (attempts._NextClaim). The claim's rows
 # come back before the reset's: a reset that fails after the commit leaves them read
-# (CachedConnection.run_script), so a committed claim is never dropped. A task with a key concludes
-# apart, as above: the ack holds its key's row until the commit, and a claim waiting
-# meanwhile for another key's row could deadlock with a worker crossing keys.
+# (CachedConnection.run_script), so a committed claim is never dropped. A task with a key
+# concludes apart, as above: the ack holds its key's row until the commit, and a claim
+# waiting meanwhile for another key's row could deadlock with a worker crossing keys.
 _CONCLUDE_AND_CLAIM = (
     "SELECT * FROM {schema}.conclude_and_claim(%(attempt_id)s, %(task_id)s, %(token)s, "
     "%(result)s, %(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)"
