@@ -52,7 +52,6 @@ def enqueue_batch(
             assert found is not None  # the conflict's batch is committed, and never deleted
             return Batch(found[0], name, found[1], int(found[2]), found[3], created=False)
         batch_id, created_at = row
-        conn.execute(driver.statement(sql.CREATE_BATCH_STRIPES), {"batch_id": batch_id})
         columns = {
             "queue": queue,
             "priority": priority,
@@ -68,7 +67,7 @@ def enqueue_batch(
             total = _insert_keyed_tasks(
                 conn, driver, payloads, idempotency_keys, columns, max_bytes
             )
-        conn.execute(driver.statement(sql.SET_BATCH_TOTAL), {"total": total, "batch_id": batch_id})
+        conn.execute(driver.statement(sql.SEAL_BATCH), {"total": total, "batch_id": batch_id})
         if total and notify["notify"]:
             conn.execute(sql.NOTIFY, {"channel": notify["channel"], "payload": queue})
     return Batch(batch_id, name, queue, total, created_at)

@@ -721,10 +721,6 @@ CREATE_BATCH = """
     RETURNING id, created_at
 """
 BATCH_BY_NAME = "SELECT id, queue, total, created_at FROM {schema}.batches WHERE name = %(name)s"
-CREATE_BATCH_STRIPES = (
-    "INSERT INTO {schema}.batch_counts (batch_id, stripe)"
-    " SELECT %(batch_id)s, generate_series(0, " + str(BATCH_STRIPES - 1) + ")"
-)
 # See bulk.py: tasks written through COPY, with ids drawn beforehand when the caller
 # returns them (an identity column takes the values COPY is given).
 _COPIED_COLUMNS = "queue, priority, payload, max_attempts, batch_id, concurrency_key) FROM STDIN"
@@ -757,7 +753,25 @@ ENQUEUE_BATCH_KEYED = """
         WHERE idempotency_key IS NOT NULL AND status IN ('enqueued', 'processing')
         DO NOTHING
 """
-SET_BATCH_TOTAL = "UPDATE {schema}.batches SET total = %(total)s WHERE id = %(batch_id)s"
+# The batch's size, its last task, and its BATCH_STRIPES stripes, which keep the last task
+# too: while that task is enqueued, the batch is not finished (what the count trigger reads
+# first, from migration 23). Every task of the batch is enqueued in this transaction, so
+# the batch index's range of enqueued tasks ends there.
+SEAL_BATCH = (
+    """
+    WITH last AS (
+        SELECT id FROM {schema}.tasks WHERE batch_id = %(batch_id)s AND status = 'enqueued'
+        ORDER BY batch_id DESC, status DESC, id DESC LIMIT 1
+    ), sealed AS (
+        UPDATE {schema}.batches SET total = %(total)s, last_task_id = (SELECT id FROM last)
+        WHERE id = %(batch_id)s
+    )
+    INSERT INTO {schema}.batch_counts (batch_id, stripe, last_task_id)
+    SELECT %(batch_id)s, generate_series(0, """
+    + str(BATCH_STRIPES - 1)
+    + """), (SELECT id FROM last)
+"""
+)
 NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
 
 # A batch's state from its counters (a row per stripe) and its running tasks (an index range, as

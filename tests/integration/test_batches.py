@@ -244,6 +244,97 @@ def test_wait_batch_is_woken_by_the_last_ack(queue: LeaseQueue) -> None:
     assert time.monotonic() - started < 5
 
 
+def _last_task_ids(queue: LeaseQueue, batch_id: int) -> set[int | None]:
+    """The last task the batch's row and each of its stripes name."""
+    return {
+        last
+        for (last,) in run_sql(
+            queue,
+            "SELECT last_task_id FROM {schema}.batches WHERE id = %(id)s"
+            " UNION ALL SELECT last_task_id FROM {schema}.batch_counts WHERE batch_id = %(id)s",
+            {"id": batch_id},
+        )
+    }
+
+
+def test_a_batch_and_its_stripes_record_its_last_task(queue: LeaseQueue) -> None:
+    queue.enqueue_many([{"n": n} for n in range(3)], queue="docs")  # ids before the batch's
+    batch = queue.enqueue_batch(({"n": n} for n in range(5)), queue="docs")
+    keyed = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs", idempotency_keys=["k1", "k2"])
+    later = queue.enqueue_many([{"n": 9}], queue="docs")  # an id after the batches'
+    for _ in range(4):  # the three plain tasks, then the batch's first
+        lease = queue.claim(queue="docs")
+        assert lease is not None
+        lease.ack()  # the session's first finish in the batch makes its stripe's row
+    stripes = run_sql(
+        queue,
+        "SELECT count(*) FROM {schema}.batch_counts WHERE batch_id = %(id)s",
+        {"id": batch.id},
+    )
+    assert stripes == [(migrations.BATCH_STRIPES + 1,)]
+    for made in (batch, keyed):
+        ids = [
+            id
+            for (id,) in run_sql(
+                queue, "SELECT id FROM {schema}.tasks WHERE batch_id = %(id)s", {"id": made.id}
+            )
+        ]
+        assert _last_task_ids(queue, made.id) == {max(ids)}
+        assert max(ids) < later[0]
+    assert _last_task_ids(queue, queue.enqueue_batch([], queue="docs").id) == {None}
+
+
+def _wait_woken_by(queue: LeaseQueue, batch_id: int, finish: Any) -> float:
+    """Seconds wait_batch took when ``finish`` runs half a second after it starts waiting;
+    its poll interval is far above what a NOTIFY takes."""
+    threading.Timer(0.5, finish).start()
+    started = time.monotonic()
+    info = queue.wait_batch(batch_id, timeout=30, poll_interval=30)
+    assert info.finished
+    return time.monotonic() - started
+
+
+def test_wait_batch_is_woken_when_a_retried_task_finishes_after_the_last_one(
+    queue: LeaseQueue,
+) -> None:
+    # The batch's last task is done before its first, which was retried: the batch is
+    # finished by a task claimed after its last, and the end is still found.
+    batch = queue.enqueue_batch(({"n": n} for n in range(3)), queue="docs")
+    first = queue.claim(queue="docs")
+    assert first is not None
+    first.fail("flaky", retry_in=1)
+    for _ in range(2):
+        lease = queue.claim(queue="docs")
+        assert lease is not None and lease.task_id != first.task_id
+        lease.ack()
+    assert not queue.batch(batch.id).finished
+    time.sleep(1)
+    retried = queue.claim(queue="docs")
+    assert retried is not None and retried.task_id == first.task_id
+    assert _wait_woken_by(queue, batch.id, retried.ack) < 5
+    assert queue.batch(batch.id).counts == statuses_of(queue, batch.id)
+
+
+def test_a_batch_without_a_recorded_last_task_still_wakes_wait_batch(queue: LeaseQueue) -> None:
+    # A batch enqueued by an earlier release has no last_task_id: its end is probed for.
+    batch = queue.enqueue_batch(({"n": n} for n in range(3)), queue="docs")
+    for table, column in (("batches", "id"), ("batch_counts", "batch_id")):
+        run_sql(
+            queue,
+            f"UPDATE {{schema}}.{table} SET last_task_id = NULL WHERE {column} = %(id)s",
+            {"id": batch.id},
+        )
+    for _ in range(2):
+        lease = queue.claim(queue="docs")
+        assert lease is not None
+        lease.ack()
+    assert not queue.batch(batch.id).finished
+    last = queue.claim(queue="docs")
+    assert last is not None
+    assert _wait_woken_by(queue, batch.id, last.ack) < 5
+    assert queue.batch(batch.id).counts == statuses_of(queue, batch.id)
+
+
 def test_wait_batch_is_woken_by_ack_many(queue: LeaseQueue) -> None:
     batch = queue.enqueue_batch(({"n": n} for n in range(150)), queue="docs")
     plain = queue.enqueue_many([{"n": n} for n in range(5)], queue="docs")
