@@ -58,7 +58,8 @@ _ATTEMPT_IDENTITY = """
 # it; every finish that finds no task of the batch enqueued and at most BATCH_NOTIFY_TAIL
 # left notifies, and wait_batch also polls. The enqueued probe reads the batch's index
 # from its newest end, where a live entry stays until the very last claims: while it
-# finds one, the stripes are not summed at all.
+# finds one, the stripes are not summed at all. (From migration 23, the batch's last task,
+# read by primary key, spares that probe until the batch's last claims.)
 #
 # A statement that changes many tasks of a batch at once (ack_many, cancel_batch,
 # retry_dead) counts them itself, once per batch, and says so with BULK_MARKER in its
@@ -131,8 +132,8 @@ _BATCH_STRIPE = f"""
     $$
 """
 
-# After the count: nothing more unless the task finished and none of its batch is still
-# enqueued, then the NOTIFY when at most BATCH_NOTIFY_TAIL tasks are left.
+# After the count, for a task that finished: nothing more while a task of its batch is
+# still enqueued, then the NOTIFY when at most BATCH_NOTIFY_TAIL tasks are left.
 _ENQUEUED_PROBE = f"""\
         -- In the batch index's order, which no other index gives: a plan over the
         -- primary key would walk the tasks enqueued after the batch.
@@ -1186,74 +1187,6 @@ _CONDITIONS_IN_THE_FUNCTIONS = (
     "DROP FUNCTION {schema}.key_change_counted(text, text)",
 )
 
-# Migration 23: a batch's finish with less to do, counted by callgrind in the server per
-# task of a batch drained with claim() and lease.ack(): 841,566 -> 758,000 instructions
-# (a plain task: 607,193).
-# - The end-of-batch probe read the batch index's last leaf page, every entry on it
-#   (PostgreSQL 15 and 16 read a page whole before returning its first entry). A batch's
-#   tasks are claimed in id order, so while its last task is enqueued, the batch is not
-#   finished, which one primary-key look-up tells. The batch's last task (last_task_id,
-#   set by enqueue_batch) is kept on its stripes too, where the count's update returns it.
-#   The probe runs once that task is no longer enqueued: in the batch's last claims, when
-#   a retried or flow-controlled task is claimed after it, and for a batch or a stripe made
-#   by the earlier release (no last_task_id).
-# - An ack (processing to done), nearly every finish, is tested first, by two comparisons,
-#   and adds one to its stripe (an insert makes the session's stripe row when it is missing:
-#   an upsert every time would lock the row first, one more WAL record a finish); any
-#   other change has its conditions tested and is counted as before.
-# Workers of the earlier release count right beside it: the stripes and their meaning are
-# unchanged.
-_COUNTED_IN_BULK = f"""strpos(current_query(), '{BULK_MARKER}') > 0
-               OR current_setting('leasequeue.counted_in_bulk', true) IS NOT DISTINCT FROM 'on'"""
-_LAST_TASK_OF_BATCH = "(SELECT last_task_id FROM {schema}.batches WHERE id = NEW.batch_id)"
-_COUNT_BATCH_TASK_V23 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
-    BEGIN
-        IF NEW.status = 'done' AND OLD.status = 'processing' THEN
-            IF {_COUNTED_IN_BULK}
-            THEN
-                RETURN NULL;
-            END IF;
-            v_stripe := {_SESSION_STRIPE};
-            UPDATE {{schema}}.batch_counts SET done = done + 1, changed_at = clock_timestamp()
-            WHERE batch_id = NEW.batch_id AND stripe = v_stripe
-            RETURNING last_task_id INTO v_last;
-            IF NOT FOUND THEN
-                INSERT INTO {{schema}}.batch_counts AS c
-                    (batch_id, stripe, done, changed_at, last_task_id)
-                VALUES (NEW.batch_id, v_stripe, 1, clock_timestamp(), {_LAST_TASK_OF_BATCH})
-                ON CONFLICT (batch_id, stripe)
-                DO UPDATE SET done = c.done + 1, changed_at = clock_timestamp()
-                RETURNING c.last_task_id INTO v_last;
-            END IF;
-        ELSE
-            IF OLD.status IS NOT DISTINCT FROM NEW.status
-               OR NOT (OLD.status IN ('done', 'dead', 'cancelled')
-                       OR NEW.status IN ('done', 'dead', 'cancelled'))
-               OR {_COUNTED_IN_BULK}
-            THEN
-                RETURN NULL;
-            END IF;
-            v_stripe := {_SESSION_STRIPE};
-            INSERT INTO {{schema}}.batch_counts (batch_id, stripe, last_task_id)
-            VALUES (NEW.batch_id, v_stripe, {_LAST_TASK_OF_BATCH}) ON CONFLICT DO NOTHING;
-{indent(_STRIPE_UPDATE, "    ")}            WHERE batch_id = NEW.batch_id AND stripe = v_stripe
-            RETURNING last_task_id INTO v_last;
-            IF NEW.status NOT IN ('done', 'dead', 'cancelled') THEN
-                RETURN NULL;
-            END IF;
-        END IF;
-        PERFORM 1 FROM {{schema}}.tasks WHERE id = v_last AND status = 'enqueued';
-        IF FOUND THEN
-            RETURN NULL;
-        END IF;
-{_ENQUEUED_PROBE}"""
-_BATCH_LAST_TASK = (
-    # No default: adding the columns rewrites nothing.
-    "ALTER TABLE {schema}.batches ADD COLUMN last_task_id bigint",
-    "ALTER TABLE {schema}.batch_counts ADD COLUMN last_task_id bigint",
-    _COUNT_BATCH_TASK_V23,
-)
-
 # Migration 21: an attempt's conclusion and the claim of the next task in one commit. With
 # claim_next, the round trip that ended an attempt committed the success mark and the ack,
 # then the claim in a transaction of its own: two commits to wait for, one for the
@@ -1368,6 +1301,83 @@ _CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(
     warning="'the claim of the next task after task % failed (it is claimed apart): %'",
     handled="OTHERS OR query_canceled",
     give_up="id := NULL;\n" + _NO_CLAIM_MADE,
+)
+
+# Migration 23: a batch's finish with less to do, counted by callgrind in the server per
+# task of a batch drained with claim() and lease.ack(): 841,566 -> 758,296 instructions
+# (a plain task: 606,714).
+# - The end-of-batch probe read the batch index's last leaf page, every entry on it
+#   (PostgreSQL 15 and 16 read a page whole before returning its first entry). While any
+#   task of the batch is enqueued, the batch is not finished, and one task decides it
+#   nearly always: the batch's last (last_task_id, set by enqueue_batch), since a batch's
+#   tasks are claimed in the order they were enqueued. A primary-key look-up reads its
+#   status, with the id its stripe's update returns (each stripe keeps it too). The probe
+#   runs once that task has left 'enqueued': from the batch's last claims on, when a retried
+#   or flow-controlled task is claimed after it, and for a batch or a stripe the earlier
+#   release made (no last_task_id).
+# - An ack (processing to done), nearly every finish, is told apart by two comparisons and
+#   adds one to its stripe (an insert makes the session's stripe row when it is missing:
+#   an upsert every time would lock the row first, one more WAL record a finish); any
+#   other change has its conditions tested and is counted as before, its stripe's row made
+#   only when the update finds none.
+# Workers of the earlier release count right beside it: the stripes and their meaning are
+# unchanged.
+_COUNTED_IN_BULK = f"""strpos(current_query(), '{BULK_MARKER}') > 0
+               OR current_setting('leasequeue.counted_in_bulk', true) IS NOT DISTINCT FROM 'on'"""
+_LAST_TASK_OF_BATCH = "(SELECT last_task_id FROM {schema}.batches WHERE id = NEW.batch_id)"
+_GENERAL_STRIPE_UPDATE = (
+    indent(_STRIPE_UPDATE, "    ")
+    + """            WHERE batch_id = NEW.batch_id AND stripe = v_stripe
+            RETURNING last_task_id INTO v_last;
+"""
+)
+_COUNT_BATCH_TASK_V23 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
+    BEGIN
+        IF NEW.status = 'done' AND OLD.status = 'processing' THEN
+            IF {_COUNTED_IN_BULK}
+            THEN
+                RETURN NULL;
+            END IF;
+            v_stripe := {_SESSION_STRIPE};
+            UPDATE {{schema}}.batch_counts SET done = done + 1, changed_at = clock_timestamp()
+            WHERE batch_id = NEW.batch_id AND stripe = v_stripe
+            RETURNING last_task_id INTO v_last;
+            IF NOT FOUND THEN
+                INSERT INTO {{schema}}.batch_counts AS c
+                    (batch_id, stripe, done, changed_at, last_task_id)
+                VALUES (NEW.batch_id, v_stripe, 1, clock_timestamp(), {_LAST_TASK_OF_BATCH})
+                ON CONFLICT (batch_id, stripe)
+                DO UPDATE SET done = c.done + 1, changed_at = clock_timestamp()
+                RETURNING c.last_task_id INTO v_last;
+            END IF;
+        ELSE
+            IF OLD.status IS NOT DISTINCT FROM NEW.status
+               OR NOT (OLD.status IN ('done', 'dead', 'cancelled')
+                       OR NEW.status IN ('done', 'dead', 'cancelled'))
+               OR {_COUNTED_IN_BULK}
+            THEN
+                RETURN NULL;
+            END IF;
+            v_stripe := {_SESSION_STRIPE};
+{_GENERAL_STRIPE_UPDATE}            IF NOT FOUND THEN
+                INSERT INTO {{schema}}.batch_counts (batch_id, stripe, last_task_id)
+                VALUES (NEW.batch_id, v_stripe, {_LAST_TASK_OF_BATCH})
+                ON CONFLICT DO NOTHING;
+{indent(_GENERAL_STRIPE_UPDATE, "    ")}            END IF;
+            IF NEW.status NOT IN ('done', 'dead', 'cancelled') THEN
+                RETURN NULL;
+            END IF;
+        END IF;
+        PERFORM 1 FROM {{schema}}.tasks WHERE id = v_last AND status = 'enqueued';
+        IF FOUND THEN
+            RETURN NULL;
+        END IF;
+{_ENQUEUED_PROBE}"""
+_BATCH_LAST_TASK = (
+    # No default: adding the columns rewrites nothing.
+    "ALTER TABLE {schema}.batches ADD COLUMN last_task_id bigint",
+    "ALTER TABLE {schema}.batch_counts ADD COLUMN last_task_id bigint",
+    _COUNT_BATCH_TASK_V23,
 )
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -1719,7 +1729,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         23,
-        "a batch's ack counted by one statement, its end probed only after its last claim",
+        "a batch's finish reads its last task before probing the batch index for its end",
         _BATCH_LAST_TASK,
     ),
 )

@@ -754,9 +754,10 @@ ENQUEUE_BATCH_KEYED = """
         DO NOTHING
 """
 # The batch's size, its last task, and its BATCH_STRIPES stripes, which keep the last task
-# too: while that task is enqueued, the batch is not finished (what the count trigger reads
-# first, from migration 23). Every task of the batch is enqueued in this transaction, so
-# the batch index's range of enqueued tasks ends there.
+# too: the count trigger reads that task's status first (from migration 23), since a
+# batch's tasks are claimed in the order they were enqueued and while it is enqueued the
+# batch is not finished. Every task of the batch is enqueued in this transaction, so the
+# batch index's range of enqueued tasks ends with it.
 SEAL_BATCH = (
     """
     WITH last AS (

@@ -284,6 +284,24 @@ def test_a_batch_and_its_stripes_record_its_last_task(queue: LeaseQueue) -> None
     assert _last_task_ids(queue, queue.enqueue_batch([], queue="docs").id) == {None}
 
 
+def test_a_sessions_first_finish_in_a_batch_by_a_failure_makes_its_stripe(
+    queue: LeaseQueue,
+) -> None:
+    batch = queue.enqueue_batch(({"n": n} for n in range(3)), queue="docs", max_attempts=1)
+    lease = queue.claim(queue="docs")
+    assert lease is not None
+    assert lease.fail("bad scan") == "dead"  # not an ack: counted by the general update
+    ids = [
+        id
+        for (id,) in run_sql(
+            queue, "SELECT id FROM {schema}.tasks WHERE batch_id = %(id)s", {"id": batch.id}
+        )
+    ]
+    assert _last_task_ids(queue, batch.id) == {max(ids)}
+    assert queue.batch(batch.id).counts == statuses_of(queue, batch.id)
+    assert queue.batch(batch.id).dead == 1
+
+
 def _wait_woken_by(queue: LeaseQueue, batch_id: int, finish: Any) -> float:
     """Seconds wait_batch took when ``finish`` runs half a second after it starts waiting;
     its poll interval is far above what a NOTIFY takes."""
