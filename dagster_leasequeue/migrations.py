@@ -1151,16 +1151,22 @@ _REPLACE_COUNT_BATCH_TASK = """
         v_stripe smallint;
         v_left bigint;
 """
-_COUNT_BATCH_TASK_V20 = f"""{_REPLACE_COUNT_BATCH_TASK}    BEGIN
+# A statement that counts the batch's tasks itself (see BULK_MARKER), as an OR-chain's link.
+_COUNTED_IN_BULK = f"""strpos(current_query(), '{BULK_MARKER}') > 0
+           OR current_setting('leasequeue.counted_in_bulk', true) IS NOT DISTINCT FROM 'on'"""
+# Nothing to count: the status did not change, or not into or out of a finished one, or the
+# statement counts in bulk.
+_RETURN_IF_NOTHING_TO_COUNT = f"""\
         IF OLD.status IS NOT DISTINCT FROM NEW.status
            OR NOT (OLD.status IN ('done', 'dead', 'cancelled')
                    OR NEW.status IN ('done', 'dead', 'cancelled'))
-           OR strpos(current_query(), '{BULK_MARKER}') > 0
-           OR current_setting('leasequeue.counted_in_bulk', true) IS NOT DISTINCT FROM 'on'
+           OR {_COUNTED_IN_BULK}
         THEN
             RETURN NULL;
         END IF;
-        v_stripe := {_SESSION_STRIPE};
+"""
+_COUNT_BATCH_TASK_V20 = f"""{_REPLACE_COUNT_BATCH_TASK}    BEGIN
+{_RETURN_IF_NOTHING_TO_COUNT}        v_stripe := {_SESSION_STRIPE};
 {_COUNT_INTO_STRIPE}"""
 _COUNT_KEY_RUNNING_V20 = (
     "\n    CREATE OR REPLACE FUNCTION "
@@ -1322,8 +1328,12 @@ _CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(
 #   only when the update finds none.
 # Workers of the earlier release count right beside it: the stripes and their meaning are
 # unchanged.
-_COUNTED_IN_BULK = f"""strpos(current_query(), '{BULK_MARKER}') > 0
-               OR current_setting('leasequeue.counted_in_bulk', true) IS NOT DISTINCT FROM 'on'"""
+_RETURN_IF_COUNTED_IN_BULK = f"""\
+        IF {_COUNTED_IN_BULK}
+        THEN
+            RETURN NULL;
+        END IF;
+"""
 _LAST_TASK_OF_BATCH = "(SELECT last_task_id FROM {schema}.batches WHERE id = NEW.batch_id)"
 _GENERAL_STRIPE_UPDATE = (
     indent(_STRIPE_UPDATE, "    ")
@@ -1334,11 +1344,7 @@ _GENERAL_STRIPE_UPDATE = (
 _COUNT_BATCH_TASK_V23 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
     BEGIN
         IF NEW.status = 'done' AND OLD.status = 'processing' THEN
-            IF {_COUNTED_IN_BULK}
-            THEN
-                RETURN NULL;
-            END IF;
-            v_stripe := {_SESSION_STRIPE};
+{indent(_RETURN_IF_COUNTED_IN_BULK, "    ")}            v_stripe := {_SESSION_STRIPE};
             UPDATE {{schema}}.batch_counts SET done = done + 1, changed_at = clock_timestamp()
             WHERE batch_id = NEW.batch_id AND stripe = v_stripe
             RETURNING last_task_id INTO v_last;
@@ -1351,14 +1357,7 @@ _COUNT_BATCH_TASK_V23 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
                 RETURNING c.last_task_id INTO v_last;
             END IF;
         ELSE
-            IF OLD.status IS NOT DISTINCT FROM NEW.status
-               OR NOT (OLD.status IN ('done', 'dead', 'cancelled')
-                       OR NEW.status IN ('done', 'dead', 'cancelled'))
-               OR {_COUNTED_IN_BULK}
-            THEN
-                RETURN NULL;
-            END IF;
-            v_stripe := {_SESSION_STRIPE};
+{indent(_RETURN_IF_NOTHING_TO_COUNT, "    ")}            v_stripe := {_SESSION_STRIPE};
 {_GENERAL_STRIPE_UPDATE}            IF NOT FOUND THEN
                 INSERT INTO {{schema}}.batch_counts (batch_id, stripe, last_task_id)
                 VALUES (NEW.batch_id, v_stripe, {_LAST_TASK_OF_BATCH})
