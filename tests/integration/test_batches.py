@@ -244,6 +244,11 @@ def test_wait_batch_is_woken_by_the_last_ack(queue: LeaseQueue) -> None:
     assert time.monotonic() - started < 5
 
 
+def _task_ids(queue: LeaseQueue, batch_id: int) -> list[int]:
+    rows = run_sql(queue, "SELECT id FROM {schema}.tasks WHERE batch_id = %(id)s", {"id": batch_id})
+    return [id for (id,) in rows]
+
+
 def _last_task_ids(queue: LeaseQueue, batch_id: int) -> set[int | None]:
     """The last task the batch's row and each of its stripes name."""
     return {
@@ -273,14 +278,8 @@ def test_a_batch_and_its_stripes_record_its_last_task(queue: LeaseQueue) -> None
     )
     assert stripes == [(migrations.BATCH_STRIPES + 1,)]
     for made in (batch, keyed):
-        ids = [
-            id
-            for (id,) in run_sql(
-                queue, "SELECT id FROM {schema}.tasks WHERE batch_id = %(id)s", {"id": made.id}
-            )
-        ]
-        assert _last_task_ids(queue, made.id) == {max(ids)}
-        assert max(ids) < later[0]
+        assert _last_task_ids(queue, made.id) == {max(_task_ids(queue, made.id))}
+        assert max(_task_ids(queue, made.id)) < later[0]
     assert _last_task_ids(queue, queue.enqueue_batch([], queue="docs").id) == {None}
 
 
@@ -291,13 +290,7 @@ def test_a_sessions_first_finish_in_a_batch_by_a_failure_makes_its_stripe(
     lease = queue.claim(queue="docs")
     assert lease is not None
     assert lease.fail("bad scan") == "dead"  # not an ack: counted by the general update
-    ids = [
-        id
-        for (id,) in run_sql(
-            queue, "SELECT id FROM {schema}.tasks WHERE batch_id = %(id)s", {"id": batch.id}
-        )
-    ]
-    assert _last_task_ids(queue, batch.id) == {max(ids)}
+    assert _last_task_ids(queue, batch.id) == {max(_task_ids(queue, batch.id))}
     assert queue.batch(batch.id).counts == statuses_of(queue, batch.id)
     assert queue.batch(batch.id).dead == 1
 
