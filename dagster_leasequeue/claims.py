@@ -83,6 +83,8 @@ class Claims:
         Returns the acked tasks' ids and the claimed rows. A plain queue takes one
         statement (a leaner one for one lease known to have no concurrency key:
         ``keyless``); a controlled one an ack and a ``claim_flow()`` in one transaction.
+        Either way a claim that fails after the acks only means no next task: the acks
+        are kept.
         """
         schema, queue = self._driver.schema, params["queue"]
         many = "task_ids" in acks
@@ -93,7 +95,14 @@ class Claims:
                 if len(acked) < leases:
                     return acked, []
                 statement = sql.compose_claim_flow(schema, limit)
-                return acked, conn.execute(statement, params).fetchall()
+                try:
+                    # A savepoint: a claim that fails (a lock or statement timeout, say)
+                    # is undone alone, and the acks still commit.
+                    with conn.conn.transaction():
+                        return acked, conn.execute(statement, params).fetchall()
+                except psycopg.Error as exc:
+                    _no_claim_after_acks(queue, exc)
+                    return acked, []
         statement = sql.compose_ack_and_claim(schema, limit, many=many, keyless=keyless)
         rows = conn.rows(statement, {**params, **acks})
         acked = {int(row[0]) for row in rows if row[1] is None}
@@ -102,9 +111,8 @@ class Claims:
             return acked, claimed
         try:
             return acked, self.claim_if_controlled(conn, limit, params)
-        except psycopg.Error as exc:
-            # The acks committed: a failed claim after them only means no next task.
-            logger.warning("the claim after an ack of %s failed: %s", queue, exc)
+        except psycopg.Error as exc:  # the acks committed
+            _no_claim_after_acks(queue, exc)
             return acked, []
 
     def _ack(self, conn: CachedConnection, acks: Mapping[str, Any], many: bool) -> set[int]:
@@ -129,6 +137,10 @@ class Claims:
         self._controlled[queue] = time.monotonic() + CONTROLLED_RECHECK_SECONDS
         statement = sql.compose_claim_flow(self._driver.schema, limit)
         return conn.execute(statement, params).fetchall()
+
+
+def _no_claim_after_acks(queue: str, error: psycopg.Error) -> None:
+    logger.warning("the claim after an ack of %s failed: %s", queue, error)
 
 
 def in_claim_order(rows: Sequence[Row]) -> list[Row]:

@@ -102,6 +102,48 @@ def test_ack_and_claim_on_a_paused_queue_acks_and_claims_nothing(queue: LeaseQue
     assert queue.claim() is not None
 
 
+def refuse_to_claim_boom(queue: LeaseQueue) -> None:
+    """A trigger that fails any claim of a task whose payload has ``boom``."""
+    run_sql(
+        queue,
+        """
+        CREATE FUNCTION {schema}.refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.payload ? 'boom' THEN RAISE EXCEPTION 'this task cannot be claimed'; END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER refuse_boom BEFORE UPDATE ON {schema}.tasks FOR EACH ROW
+            WHEN (NEW.status = 'processing') EXECUTE FUNCTION {schema}.refuse_boom();
+        """,
+    )
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["ack_and_claim", "ack_many_and_claim"])
+def test_a_claim_that_fails_after_the_ack_on_a_controlled_queue_keeps_the_ack(
+    queue: LeaseQueue, many: bool
+) -> None:
+    # On a controlled queue the ack and claim_flow() share a transaction: a claim that
+    # fails (here a trigger; a lock or statement timeout alike) must not take the ack with
+    # it, or a finished task would be run again.
+    refuse_to_claim_boom(queue)
+    first = queue.enqueue({"n": 1}, concurrency_key="customer-1")
+    boom = queue.enqueue({"boom": True}, concurrency_key="customer-2")
+    queue.set_concurrency_limit("default", 1)
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == first
+    if many:
+        assert queue.ack_many_and_claim([lease], [{"ok": True}], limit=5) == []
+    else:
+        assert lease.ack_and_claim({"ok": True}) is None
+    assert lease.finished
+    assert queue.get(first).status == "done" and queue.get(first).result == {"ok": True}
+    assert queue.get(boom).status == "enqueued"
+    assert run_sql(queue, "SELECT key, running FROM {schema}.flow_keys ORDER BY key") == [
+        ("customer-1", 0),
+        ("customer-2", 0),
+    ]
+
+
 def test_ack_many_and_claim_acks_a_batch_and_claims_the_next(queue: LeaseQueue) -> None:
     ids = queue.enqueue_many([{"n": n} for n in range(250)])
     leases = queue.claim_many(100, worker_id="w")
@@ -582,18 +624,7 @@ def test_a_session_reset_that_fails_after_the_commit_keeps_the_task_it_claimed(
 def test_a_claim_that_fails_after_the_attempt_committed_costs_the_attempt_nothing(
     queue: LeaseQueue,
 ) -> None:
-    run_sql(
-        queue,
-        """
-        CREATE FUNCTION {schema}.refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            IF NEW.payload ? 'boom' THEN RAISE EXCEPTION 'this task cannot be claimed'; END IF;
-            RETURN NEW;
-        END $$;
-        CREATE TRIGGER refuse_boom BEFORE UPDATE ON {schema}.tasks FOR EACH ROW
-            WHEN (NEW.status = 'processing') EXECUTE FUNCTION {schema}.refuse_boom();
-        """,
-    )
+    refuse_to_claim_boom(queue)
     first, boom = queue.enqueue_many([{"n": 1}, {"boom": True}])
     lease = queue.claim()
     assert lease is not None
