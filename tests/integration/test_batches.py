@@ -244,6 +244,32 @@ def test_wait_batch_is_woken_by_the_last_ack(queue: LeaseQueue) -> None:
     assert time.monotonic() - started < 5
 
 
+def test_serializable_attempts_finishing_a_batch_do_not_fail_each_other(
+    queue: LeaseQueue,
+) -> None:
+    # Two attempts whose work runs SERIALIZABLE, one concluded inside the other, finish the
+    # batch's two tasks. Reading the batch's tasks and stripes to decide whether it has
+    # ended would make each read what the other writes, and the second commit would fail
+    # its attempt for the package's own bookkeeping. Under SERIALIZABLE a finish counts and
+    # reads nothing more: the batch's end is found by wait_batch's poll.
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs")
+    first = queue.claim(queue="docs", worker_id="a")
+    second = queue.claim(queue="docs", worker_id="b")
+    assert first is not None and second is not None
+    with queue.attempt(lease=first) as outer:
+        outer.connection.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+        outer.connection.execute("SELECT 1")
+        with queue.attempt(lease=second) as inner:
+            inner.connection.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+            inner.connection.execute("SELECT 1")
+    assert [task.status for task in map(queue.get, (first.task_id, second.task_id))] == [
+        "done",
+        "done",
+    ]
+    info = queue.wait_batch(batch.id, timeout=10, poll_interval=0.2)
+    assert info.finished and info.done == 2
+
+
 def _task_ids(queue: LeaseQueue, batch_id: int) -> list[int]:
     rows = run_sql(queue, "SELECT id FROM {schema}.tasks WHERE batch_id = %(id)s", {"id": batch_id})
     return [id for (id,) in rows]
