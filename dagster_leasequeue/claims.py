@@ -101,6 +101,10 @@ class Claims:
                     with conn.conn.transaction():
                         return acked, conn.execute(statement, params).fetchall()
                 except psycopg.Error as exc:
+                    if conn.conn.broken:
+                        # The session is gone, and the acks with it: psycopg ends a
+                        # transaction block on a broken connection silently.
+                        raise
                     _no_claim_after_acks(queue, exc)
                     return acked, []
         statement = sql.compose_ack_and_claim(schema, limit, many=many, keyless=keyless)

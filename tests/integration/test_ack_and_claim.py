@@ -13,6 +13,7 @@ from psycopg.conninfo import make_conninfo
 from dagster_leasequeue import (
     Attempt,
     ConfigurationError,
+    DatabaseUnavailable,
     Lease,
     LeaseLost,
     LeaseQueue,
@@ -142,6 +143,40 @@ def test_a_claim_that_fails_after_the_ack_on_a_controlled_queue_keeps_the_ack(
         ("customer-1", 0),
         ("customer-2", 0),
     ]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["ack_and_claim", "ack_many_and_claim"])
+def test_a_session_lost_in_the_claim_after_the_ack_on_a_controlled_queue_is_reported(
+    queue: LeaseQueue, many: bool
+) -> None:
+    # The ack and claim_flow() share a transaction: a session that dies in the claim takes
+    # the ack with it. The caller is told, and the lease stays unfinished, to ack again.
+    run_sql(
+        queue,
+        """
+        CREATE FUNCTION {schema}.die() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.payload ? 'die' THEN PERFORM pg_terminate_backend(pg_backend_pid()); END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER die BEFORE UPDATE ON {schema}.tasks FOR EACH ROW
+            WHEN (NEW.status = 'processing') EXECUTE FUNCTION {schema}.die();
+        """,
+    )
+    first = queue.enqueue({"n": 1}, concurrency_key="customer-1")
+    dying = queue.enqueue({"die": True}, concurrency_key="customer-2")
+    queue.set_concurrency_limit("default", 1)
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == first
+    with pytest.raises(DatabaseUnavailable):
+        if many:
+            queue.ack_many_and_claim([lease], [{"ok": True}], limit=5)
+        else:
+            lease.ack_and_claim({"ok": True})
+    assert not lease.finished
+    assert queue.get(first).status == "processing"
+    lease.ack({"ok": True})
+    assert queue.get(first).status == "done" and queue.get(dying).status == "enqueued"
 
 
 def test_ack_many_and_claim_acks_a_batch_and_claims_the_next(queue: LeaseQueue) -> None:
