@@ -270,6 +270,16 @@ def test_serializable_attempts_finishing_a_batch_do_not_fail_each_other(
     assert info.finished and info.done == 2
 
 
+def test_a_batchs_counts_outlive_its_purged_tasks(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs")
+    while (lease := queue.claim(queue="docs")) is not None:
+        lease.ack({"n": lease.payload["n"]})
+    assert queue.purge(0) == 2
+    info = queue.batch(batch.id)
+    assert info.finished and (info.total, info.done) == (2, 2)
+    assert list(queue.batch_results(batch.id)) == []
+
+
 def _task_ids(queue: LeaseQueue, batch_id: int) -> list[int]:
     rows = run_sql(queue, "SELECT id FROM {schema}.tasks WHERE batch_id = %(id)s", {"id": batch_id})
     return [id for (id,) in rows]
