@@ -255,8 +255,9 @@ def _read_recorded(cursor: str | None) -> dict[str, tuple[float, dict[str, int]]
     """The counts last recorded per queue, each with when (a Unix timestamp).
 
     They are the cursor's ``counts``: ``{queue: {"at": timestamp, "enqueued": n,
-    "processing": n, "dead": n, "due": n}}``. A cursor without them (of an earlier version)
-    or with unreadable ones has nothing recorded, so the next tick records every queue.
+    "processing": n, "dead": n, "due": n}}``, with ``"paused": 1`` for a paused queue (see
+    :func:`_counted`). A cursor without them (of an earlier version) or with unreadable
+    ones has nothing recorded, so the next tick records every queue.
     """
     if not cursor:
         return {}
@@ -267,17 +268,17 @@ def _read_recorded(cursor: str | None) -> dict[str, tuple[float, dict[str, int]]
     if not isinstance(state, dict) or "counts" not in state:
         return {}
     entries = state["counts"]
-    counted = (*LIVE, "due")
+    counted = {*LIVE, "due"}
     if isinstance(entries, dict) and all(
         isinstance(entry, dict)
-        and entry.keys() == {"at", *counted}
+        and entry.keys() - {"paused"} == {"at", *counted}
         and type(entry["at"]) in (int, float)
         and math.isfinite(entry["at"])
-        and all(type(entry[key]) is int for key in counted)
+        and all(type(value) is int for key, value in entry.items() if key != "at")
         for entry in entries.values()
     ):
         return {
-            name: (float(entry["at"]), {key: entry[key] for key in counted})
+            name: (float(entry["at"]), {key: value for key, value in entry.items() if key != "at"})
             for name, entry in entries.items()
         }
     logger.warning("sweeper sensor cursor %r has unreadable counts; recording them again", cursor)

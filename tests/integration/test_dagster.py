@@ -323,6 +323,24 @@ def test_a_pause_is_observed_at_once_with_the_limits_in_force(example_env: Lease
     assert resumed["paused"] is False
 
 
+def test_a_paused_queue_keeps_the_interval_of_every_queue(example_env: LeaseQueue) -> None:
+    # A paused queue's recorded counts carry its pause: the next tick must read them back,
+    # or it forgets every queue's record and records them all again, every tick.
+    queue = example_env
+    queue.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
+    queue.enqueue({"n": 1}, queue="reports")
+    queue.pause("reports")
+    sensor = build_sweeper_sensor()
+    start = time.time()
+    first = sweeper_tick(sensor, None, start)
+    assert set(recorded_counts(first)) == {"documents", "reports"}
+    queue.enqueue({"document": "b.pdf", "pages": 1}, queue="documents")
+    result = sweeper_tick(sensor, first.cursor, start + 30)
+    assert recorded_counts(result) == {}
+    result = sweeper_tick(sensor, result.cursor, start + 300)
+    assert recorded_counts(result) == {"documents": waiting(2)}
+
+
 def test_changed_counts_wait_until_the_interval_has_passed(example_env: LeaseQueue) -> None:
     queue = example_env
     queue.enqueue({"document": "a.pdf", "pages": 1}, queue="documents")
