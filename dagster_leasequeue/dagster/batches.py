@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import dagster as dg
 
 from ..errors import BatchNotFound, ConfigurationError
 from ..models import Batch, BatchInfo
-from .keys import BATCH_TAG, queue_asset_key
+from ..queue import LeaseQueue
+from .keys import BATCH_TAG, key_prefix, queue_asset_key
 from .resource import LeaseQueueResource
 
 # The materialization metadata that names a batch; the sensor finds batches by it.
@@ -48,13 +49,18 @@ def batch_id_from_run(context: dg.OpExecutionContext | dg.AssetExecutionContext)
             f"run {context.run.run_id} has no {BATCH_TAG!r} tag: it was not requested by a "
             "batch sensor (launch it with that tag to name the batch)"
         )
+    if not (value.isascii() and value.isdigit() and int(value) > 0):
+        raise ConfigurationError(
+            f"run {context.run.run_id} has {BATCH_TAG!r} tag {value!r}, which is not a "
+            "batch id (a positive integer)"
+        )
     return int(value)
 
 
 def build_batch_sensor(
     *,
     name: str,
-    upstream: dg.AssetKey,
+    upstream: dg.AssetKey | str | Sequence[str] | dg.AssetsDefinition | dg.AssetSpec,
     asset_selection: dg.AssetSelection
     | Sequence[dg.AssetKey]
     | Sequence[dg.AssetsDefinition]
@@ -64,12 +70,13 @@ def build_batch_sensor(
     resource_key: str = "leasequeue",
     minimum_interval_seconds: int = 30,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
-    asset_key_prefix: Sequence[str] = ("leasequeue",),
+    asset_key_prefix: str | Sequence[str] = ("leasequeue",),
 ) -> dg.SensorDefinition:
     """A sensor that requests one run of a downstream target per finished batch.
 
     It finds the batches made by ``upstream``'s materializations (their metadata, from
-    :func:`batch_metadata`), and when one has finished (no task enqueued or processing; dead
+    :func:`batch_metadata`; ``upstream`` is an asset key, or the asset or spec itself), and
+    when one has finished (no task enqueued or processing; dead
     tasks included: the downstream asset decides what they mean) requests one run of
     ``asset_selection`` or ``job`` (exactly one of them). The run key is the batch id, so a
     tick whose result was thrown away, or a second tick, never requests it twice; the run's
@@ -87,7 +94,10 @@ def build_batch_sensor(
     """
     if (asset_selection is None) == (job is None):
         raise ConfigurationError("build_batch_sensor needs exactly one of asset_selection and job")
-    prefix = tuple(asset_key_prefix)
+    if isinstance(asset_selection, Sequence) and not asset_selection:
+        raise ConfigurationError("build_batch_sensor's asset_selection names no asset")
+    upstream = _asset_key(upstream)
+    prefix = key_prefix(asset_key_prefix)
 
     @dg.sensor(
         name=name,
@@ -109,19 +119,22 @@ def build_batch_sensor(
             limit=MATERIALIZATIONS_PER_TICK,
             ascending=True,
         ).records
+        read: dict[int, BatchInfo] = {}
         for record in records:
             after = max(after, record.storage_id)
-            batch_id = _batch_id_of(record)
-            if batch_id is not None and batch_id not in pending:
-                pending.append(batch_id)
+            recorded = _recorded_batch(record, upstream, context.log)
+            if recorded is None or recorded.id in pending:
+                continue
+            info = _find_batch(queue, recorded.id, context.log)
+            if info is not None and recorded.names(info, queue.schema, context.log):
+                read[recorded.id] = info
+                pending.append(recorded.id)
         requests: list[dg.RunRequest] = []
         observations: list[dg.AssetObservation] = []
         waiting: list[int] = []
         for batch_id in pending:
-            try:
-                info = queue.batch(batch_id)
-            except BatchNotFound:
-                context.log.warning(f"batch {batch_id} no longer exists: skipped")
+            info = read.get(batch_id) or _find_batch(queue, batch_id, context.log)
+            if info is None:
                 continue
             if not info.finished:
                 waiting.append(batch_id)
@@ -153,12 +166,73 @@ def _read_cursor(cursor: str | None) -> tuple[int, list[int]]:
     return int(state["after"]), [int(batch_id) for batch_id in state["pending"]]
 
 
-def _batch_id_of(record: dg.EventLogRecord) -> int | None:
+def _asset_key(upstream: object) -> dg.AssetKey:
+    if isinstance(upstream, dg.AssetKey):
+        return upstream
+    if isinstance(upstream, (dg.AssetsDefinition, dg.AssetSpec)):
+        return upstream.key
+    if isinstance(upstream, str) or (
+        isinstance(upstream, Sequence) and upstream and all(isinstance(p, str) for p in upstream)
+    ):
+        return dg.AssetKey.from_coercible(upstream)
+    raise ConfigurationError(
+        "build_batch_sensor's upstream must be the fan-out asset's key (an AssetKey, a name "
+        f"or a list of names), or the asset itself; got {upstream!r}"
+    )
+
+
+class _RecordedBatch(NamedTuple):
+    """The batch a materialization recorded (see :func:`batch_metadata`)."""
+
+    storage_id: int
+    id: int
+    queue: str | None
+    name: str | None
+
+    def names(self, info: BatchInfo, schema: str, log: Any) -> bool:
+        """Whether ``info`` is the batch recorded: the same queue and name, where the
+        metadata has them. Another schema's or database's batch may have the same id."""
+        if self.queue in (None, info.queue) and self.name in (None, info.name or ""):
+            return True
+        log.warning(
+            f"materialization {self.storage_id} recorded batch {self.id} of queue "
+            f"{self.queue!r} named {self.name!r}, but batch {self.id} of schema {schema!r} is "
+            f"of queue {info.queue!r} named {info.name or ''!r}: skipped (is the resource on "
+            "another schema or database than the asset that made the batch?)"
+        )
+        return False
+
+
+def _recorded_batch(
+    record: dg.EventLogRecord, upstream: dg.AssetKey, log: Any
+) -> _RecordedBatch | None:
     materialization = record.asset_materialization
-    if materialization is None:
+    if materialization is None or (value := materialization.metadata.get(BATCH_ID_KEY)) is None:
         return None
-    value = materialization.metadata.get(BATCH_ID_KEY)
-    return None if value is None else int(value.value)  # type: ignore[arg-type]
+    batch_id = value.value
+    if type(batch_id) is not int or batch_id < 1:
+        log.warning(
+            f"materialization {record.storage_id} of {upstream.to_user_string()} has "
+            f"{BATCH_ID_KEY!r} {batch_id!r}, which is not a batch id (batch_metadata() "
+            "writes it): skipped"
+        )
+        return None
+
+    def text(key: str) -> str | None:
+        entry = materialization.metadata.get(key)
+        return entry.value if entry is not None and isinstance(entry.value, str) else None
+
+    return _RecordedBatch(
+        record.storage_id, batch_id, text("leasequeue/queue"), text("leasequeue/batch_name")
+    )
+
+
+def _find_batch(queue: LeaseQueue, batch_id: int, log: Any) -> BatchInfo | None:
+    try:
+        return queue.batch(batch_id)
+    except BatchNotFound as exc:
+        log.warning(f"{exc}: skipped")
+        return None
 
 
 def _finished_observation(info: BatchInfo, prefix: Sequence[str]) -> dg.AssetObservation:

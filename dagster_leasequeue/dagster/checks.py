@@ -10,7 +10,7 @@ import dagster as dg
 
 from ..models import QueueStats, TaskInfo
 from ..queue import LeaseQueue
-from .keys import queue_asset_key, refuse_shared_keys
+from .keys import key_prefix, queue_asset_key, refuse_shared_keys
 from .resource import LeaseQueueResource
 
 NO_STUCK_LEASES = "no_stuck_leases"
@@ -32,7 +32,7 @@ def build_queue_asset_checks(
     queues: Sequence[str],
     *,
     resource_key: str = "leasequeue",
-    asset_key_prefix: Sequence[str] = ("leasequeue",),
+    asset_key_prefix: str | Sequence[str] = ("leasequeue",),
     stuck_after_seconds: float = 600,
     max_dead: int = 0,
     max_oldest_waiting_seconds: float = 3600,
@@ -114,7 +114,7 @@ def build_queue_asset_checks(
         severity,
         None if key_at_limit_after_seconds is None else float(key_at_limit_after_seconds),
     )
-    prefix = tuple(asset_key_prefix)
+    prefix = key_prefix(asset_key_prefix)
     return [
         _queue_checks(queue, resource_key, prefix, thresholds)
         for queue in refuse_shared_keys(queues, prefix)

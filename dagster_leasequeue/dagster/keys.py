@@ -26,7 +26,24 @@ _ASSET_KEY_PART = re.compile(r"[A-Za-z0-9_]+")
 _REPLACED = re.compile(r"[^A-Za-z0-9_]")
 
 
-def queue_asset_key(queue: str, asset_key_prefix: Sequence[str] = ("leasequeue",)) -> dg.AssetKey:
+def key_prefix(asset_key_prefix: str | Sequence[str]) -> tuple[str, ...]:
+    """An asset key prefix as its parts: one name, or a sequence of names.
+
+    A single string is one part (``"leasequeue"``, not its letters); anything but strings
+    raises ConfigurationError.
+    """
+    parts = (asset_key_prefix,) if isinstance(asset_key_prefix, str) else asset_key_prefix
+    if not isinstance(parts, Sequence) or not all(isinstance(part, str) and part for part in parts):
+        raise ConfigurationError(
+            "asset_key_prefix must be a name or a sequence of names, such as "
+            f"'leasequeue' or ['data', 'queues']; got {asset_key_prefix!r}"
+        )
+    return tuple(parts)
+
+
+def queue_asset_key(
+    queue: str, asset_key_prefix: str | Sequence[str] = ("leasequeue",)
+) -> dg.AssetKey:
     """The asset key under which a queue's observations are reported.
 
     The key is the prefix followed by the queue's name, when the name is made of letters,
@@ -35,7 +52,7 @@ def queue_asset_key(queue: str, asset_key_prefix: Sequence[str] = ("leasequeue",
     the name (UTF-8) appended, so that queues such as ``a-b`` and ``a_b`` keep distinct
     keys: ``a-b`` → ``leasequeue/a_b_34fafddd``. The key is the same in every process.
     """
-    return dg.AssetKey([*asset_key_prefix, _asset_key_part(queue)])
+    return dg.AssetKey([*key_prefix(asset_key_prefix), _asset_key_part(queue)])
 
 
 def _asset_key_part(queue: str) -> str:

@@ -14,7 +14,12 @@ from dagster._time import get_current_timestamp
 
 from ..models import LIVE, QueueStats, RecoveryEvent
 from ..validation import check_seconds
-from .keys import RECOVERED_THROUGH_EVENT_TAG, queue_asset_key, refuse_shared_keys
+from .keys import (
+    RECOVERED_THROUGH_EVENT_TAG,
+    key_prefix,
+    queue_asset_key,
+    refuse_shared_keys,
+)
 from .resource import LeaseQueueResource
 
 logger = logging.getLogger(__name__)
@@ -23,7 +28,7 @@ logger = logging.getLogger(__name__)
 def queue_asset_specs(
     queues: Sequence[str],
     *,
-    asset_key_prefix: Sequence[str] = ("leasequeue",),
+    asset_key_prefix: str | Sequence[str] = ("leasequeue",),
     group_name: str = "leasequeue",
 ) -> list[dg.AssetSpec]:
     """Asset specs for queues, so they appear in the catalog with the sweeper's observations.
@@ -61,7 +66,7 @@ def build_sweeper_sensor(
     resource_key: str = "leasequeue",
     minimum_interval_seconds: int = 30,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
-    asset_key_prefix: Sequence[str] = ("leasequeue",),
+    asset_key_prefix: str | Sequence[str] = ("leasequeue",),
     job: dg.JobDefinition | dg.UnresolvedAssetJobDefinition | None = None,
     events_per_tick: int = 1000,
     counts_every_seconds: float = 300,
@@ -95,7 +100,7 @@ def build_sweeper_sensor(
                 resources={"leasequeue": LeaseQueueResource()},
             )
     """
-    prefix = tuple(asset_key_prefix)
+    prefix = key_prefix(asset_key_prefix)
     counts_every = check_seconds("counts_every_seconds", counts_every_seconds, allow_zero=True)
 
     @dg.sensor(

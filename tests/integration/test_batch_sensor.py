@@ -149,14 +149,46 @@ def test_a_batch_with_dead_tasks_still_fans_in(
     queue.close()
 
 
-def _recording(batch_id: int) -> dg.AssetsDefinition:
-    """An upstream asset of the sensor's key that records an existing batch."""
+def _recording(batch_id: object, **metadata: object) -> dg.AssetsDefinition:
+    """An upstream asset of the sensor's key that records a batch id (and ``metadata``)."""
 
     @dg.asset(name="fan_out")
     def recorded() -> dg.MaterializeResult:
-        return dg.MaterializeResult(metadata={"leasequeue/batch_id": batch_id})
+        return dg.MaterializeResult(metadata={"leasequeue/batch_id": batch_id, **metadata})
 
     return recorded
+
+
+def test_a_materialization_that_names_no_batch_is_skipped_and_the_rest_fan_in(
+    instance: dg.DagsterInstance, resource: LeaseQueueResource
+) -> None:
+    queue = resource.get_queue()
+    queue.install()
+    batch = queue.enqueue_batch([], queue="docs")  # finished at once
+    dg.materialize([_recording("batch-7")], instance=instance)
+    dg.materialize([_recording(0)], instance=instance)
+    dg.materialize([_recording(batch.id)], instance=instance)
+    (request,) = tick(instance, resource, None).run_requests or []
+    assert request.tags["leasequeue/batch"] == str(batch.id)
+    queue.close()
+
+
+def test_a_batch_of_the_same_id_in_another_queue_is_not_the_one_recorded(
+    instance: dg.DagsterInstance, resource: LeaseQueueResource
+) -> None:
+    # The asset made batch 1 of queue "invoices" elsewhere (another schema or database);
+    # this schema's batch 1, of queue "docs", has finished: it must not fan in for it.
+    queue = resource.get_queue()
+    queue.install()
+    batch = queue.enqueue_batch([], queue="docs", name="docs-batch")
+    elsewhere = {"leasequeue/queue": "invoices", "leasequeue/batch_name": "docs-batch"}
+    dg.materialize([_recording(batch.id, **elsewhere)], instance=instance)
+    assert tick(instance, resource, None).run_requests == []
+    named = {"leasequeue/queue": "docs", "leasequeue/batch_name": "docs-batch"}
+    dg.materialize([_recording(batch.id, **named)], instance=instance)
+    (request,) = tick(instance, resource, None).run_requests or []
+    assert request.tags["leasequeue/batch"] == str(batch.id)
+    queue.close()
 
 
 @pytest.mark.parametrize("targets", [{}, {"asset_selection": [fan_in], "job": "x"}])
@@ -165,9 +197,33 @@ def test_the_batch_sensor_needs_exactly_one_target(targets: dict[str, Any]) -> N
         build_batch_sensor(name="bad", upstream=fan_out.key, **targets)
 
 
+def test_the_batch_sensor_says_what_to_give_it() -> None:
+    with pytest.raises(ConfigurationError, match="asset_selection names no asset"):
+        build_batch_sensor(name="bad", upstream=fan_out.key, asset_selection=[])
+    with pytest.raises(ConfigurationError, match="upstream must be the fan-out asset's key"):
+        build_batch_sensor(name="bad", upstream=5, asset_selection=[fan_in])  # type: ignore[arg-type]
+    for upstream in ("fan_out", ["fan_out"], fan_out, dg.AssetSpec("fan_out")):
+        sensor = build_batch_sensor(name="ok", upstream=upstream, asset_selection=[fan_in])
+        assert "fan_out has finished" in (sensor.description or "")
+
+
 def test_batch_id_from_run_says_what_is_missing(
     instance: dg.DagsterInstance, resource: LeaseQueueResource
 ) -> None:
     resource.get_queue().install()
     with pytest.raises(Exception, match="leasequeue/batch"):
         dg.materialize([fan_in], instance=instance, resources={"leasequeue": resource})
+
+
+@pytest.mark.parametrize("value", ["abc", "-3", "0", "1.5"])
+def test_batch_id_from_run_says_when_the_tag_is_not_a_batch_id(
+    instance: dg.DagsterInstance, resource: LeaseQueueResource, value: str
+) -> None:
+    resource.get_queue().install()
+    with pytest.raises(Exception, match=f"tag '{value}', which is not a batch id"):
+        dg.materialize(
+            [fan_in],
+            instance=instance,
+            resources={"leasequeue": resource},
+            tags={"leasequeue/batch": value},
+        )

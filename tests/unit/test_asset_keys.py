@@ -14,7 +14,13 @@ import sys
 import dagster as dg
 import pytest
 
-from dagster_leasequeue import build_queue_asset_checks, queue_asset_key, queue_asset_specs
+from dagster_leasequeue import (
+    ConfigurationError,
+    build_queue_asset_checks,
+    queue_asset_key,
+    queue_asset_specs,
+)
+from dagster_leasequeue.dagster.keys import key_prefix
 
 # sha1("a-b") begins 34fafddd: the suffix that keeps "a-b" apart from "a_b".
 A_DASH_B = dg.AssetKey(["leasequeue", "a_b_34fafddd"])
@@ -71,3 +77,15 @@ def test_two_queues_with_one_key_are_refused_naming_both() -> None:
         queue_asset_specs(clash)
     with pytest.raises(ValueError, match=r"'a-b'.*'a_b_34fafddd'"):
         build_queue_asset_checks(clash)
+
+
+def test_a_prefix_given_as_one_name_is_one_part() -> None:
+    assert queue_asset_key("docs", "data") == dg.AssetKey(["data", "docs"])
+    assert queue_asset_key("docs", ["data", "queues"]) == dg.AssetKey(["data", "queues", "docs"])
+    assert key_prefix("leasequeue") == ("leasequeue",)
+
+
+@pytest.mark.parametrize("prefix", [5, ["data", ""], ["data", 5], None])
+def test_a_prefix_of_anything_but_names_says_what_to_give(prefix: object) -> None:
+    with pytest.raises(ConfigurationError, match="asset_key_prefix must be a name"):
+        key_prefix(prefix)  # type: ignore[arg-type]
