@@ -22,7 +22,7 @@ from .errors import BatchNotFound, ConfigurationError
 from .flow import ConcurrencyKey, encode_payloads
 from .models import STATUSES, Batch, BatchInfo, TaskResult
 from .notify import Listener
-from .validation import check_key
+from .validation import check_iterable, check_key
 
 # Payloads per statement when idempotency keys make COPY unusable.
 KEYED_ROWS_PER_STATEMENT = 1000
@@ -50,6 +50,12 @@ def enqueue_batch(
         if row is None:  # a batch of this name exists: a retried fan-out adds nothing
             found = conn.execute(driver.statement(sql.BATCH_BY_NAME), {"name": name}).fetchone()
             assert found is not None  # the conflict's batch is committed, and never deleted
+            if found[1] != queue:
+                raise ConfigurationError(
+                    f"batch name {name!r} is taken by batch {found[0]} of queue {found[1]!r}: "
+                    f"names are unique across queues; give the batch of queue {queue!r} "
+                    "another name"
+                )
             return Batch(found[0], name, found[1], int(found[2]), found[3], created=False)
         batch_id, created_at = row
         columns = {
@@ -150,10 +156,9 @@ def batch_results(
     driver: QueueDriver, batch_id: int, statuses: Sequence[str]
 ) -> Iterator[TaskResult]:
     """Yield the batch's tasks of these statuses, a status at a time, each in id order."""
-    statuses = _checked_statuses(statuses)
     statement = driver.statement(sql.BATCH_RESULTS)
     with driver.connection() as conn, conn.transaction():
-        _require_batch(conn, driver, batch_id)  # BatchNotFound, not an empty iteration
+        require_batch(conn, driver, batch_id)  # BatchNotFound, not an empty iteration
         for status in statuses:
             # A server-side cursor: a million results come a page at a time.
             with conn.cursor(name=f"leasequeue_batch_{batch_id}") as cursor:
@@ -163,15 +168,15 @@ def batch_results(
                     yield TaskResult(task_id, payload, task_status, result, last_error)
 
 
-def _checked_statuses(statuses: Sequence[str]) -> list[str]:
+def checked_statuses(statuses: str | Iterable[str]) -> list[str]:
+    """Task statuses, each once: one status, or some of them."""
     if isinstance(statuses, str):
         statuses = (statuses,)
-    unknown = [status for status in statuses if status not in STATUSES]
-    if unknown or not statuses:
-        raise ConfigurationError(
-            f"statuses must be some of {', '.join(STATUSES)}; got {list(statuses)!r}"
-        )
-    return list(dict.fromkeys(statuses))
+    listed = list(check_iterable("statuses", statuses, "status names"))
+    unknown = [status for status in listed if status not in STATUSES]
+    if unknown or not listed:
+        raise ConfigurationError(f"statuses must be some of {', '.join(STATUSES)}; got {listed!r}")
+    return list(dict.fromkeys(listed))
 
 
 def wait_batch(
@@ -210,11 +215,12 @@ def cancel_batch(driver: QueueDriver, batch_id: int, notify_channel: str) -> int
         if cancelled:
             conn.execute(sql.NOTIFY, {"channel": notify_channel, "payload": f"batch:{batch_id}"})
         else:  # nothing to cancel: a finished batch, or none of that id
-            _require_batch(conn, driver, batch_id)
+            require_batch(conn, driver, batch_id)
     return cancelled
 
 
-def _require_batch(conn: psycopg.Connection[Any], driver: QueueDriver, batch_id: int) -> None:
+def require_batch(conn: psycopg.Connection[Any], driver: QueueDriver, batch_id: int) -> None:
+    """BatchNotFound unless the batch exists."""
     if conn.execute(driver.statement(sql.BATCH_EXISTS), {"batch_id": batch_id}).fetchone() is None:
         raise _not_found(driver, batch_id)
 

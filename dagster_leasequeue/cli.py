@@ -543,8 +543,6 @@ def retry_dead(
     task has taken stays dead.
     """
     queue = _open_queue(ctx)
-    if batch_id is not None:
-        queue.batch(batch_id)  # a mistyped id is an error, not "0 dead task(s)"
     count = queue.retry_dead(list(task_ids) if task_ids else None, queue=queue_name, batch=batch_id)
     click.echo(f"enqueued {count} dead task(s) again")
 

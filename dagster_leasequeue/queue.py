@@ -52,8 +52,11 @@ from .settings import LeaseQueueSettings
 from .sweeper import sweep_expired
 from .validation import (
     MAX_ATTEMPTS,
+    MIN_POLL_SECONDS,
     check_batch_name,
     check_count,
+    check_id,
+    check_iterable,
     check_key,
     check_lease_seconds,
     check_limit,
@@ -254,6 +257,7 @@ class LeaseQueue:
             "priority": check_priority(priority),
             "max_attempts": self._max_attempts(max_attempts),
         }
+        check_iterable("payloads", payloads, "dicts")
         items = payloads if isinstance(payloads, Collection) else list(payloads)
         encoded_rows = encode_payloads(items, concurrency_key, self.settings.payload_max_bytes)
         if len(items) > COPY_FROM_TASKS:
@@ -313,12 +317,16 @@ class LeaseQueue:
         """
         return batch_module.enqueue_batch(
             self._driver,
-            payloads,
+            check_iterable("payloads", payloads, "dicts"),
             queue=check_queue(queue),
             name=check_batch_name(name),
             priority=check_priority(priority),
             max_attempts=self._max_attempts(max_attempts),
-            idempotency_keys=idempotency_keys,
+            idempotency_keys=(
+                None
+                if idempotency_keys is None
+                else check_iterable("idempotency_keys", idempotency_keys, "keys")
+            ),
             concurrency_key=concurrency_key,
             notify=self._notify,
         )
@@ -331,7 +339,7 @@ class LeaseQueue:
         cancel); a task put back by :meth:`retry_dead` makes it unfinished again.
         Raises BatchNotFound for an unknown id.
         """
-        return batch_module.batch_info(self._driver, batch_id)
+        return batch_module.batch_info(self._driver, check_id("batch_id", batch_id))
 
     def batches(self, *, queue: str | None = None, limit: int = 100) -> list[BatchInfo]:
         """The newest batches (of ``queue``, or of every queue), newest first."""
@@ -349,7 +357,8 @@ class LeaseQueue:
         flat memory. The iterator holds a pooled connection (and a transaction) until it is
         exhausted or closed: use it in a ``for`` loop, or close it.
         """
-        return batch_module.batch_results(self._driver, batch_id, tuple(statuses))
+        checked = batch_module.checked_statuses(statuses)
+        return batch_module.batch_results(self._driver, check_id("batch_id", batch_id), checked)
 
     def wait_batch(
         self, batch_id: int, *, timeout: float | None = None, poll_interval: float = 5.0
@@ -362,12 +371,17 @@ class LeaseQueue:
         """
         if timeout is not None:
             check_seconds("timeout", timeout, allow_zero=True)
+        if check_seconds("poll_interval", poll_interval) < MIN_POLL_SECONDS:
+            raise ConfigurationError(
+                f"poll_interval must be at least {MIN_POLL_SECONDS} s (each poll is a query), "
+                f"got {poll_interval!r}"
+            )
         return batch_module.wait_batch(
             self._driver,
             self._listener,
-            batch_id,
+            check_id("batch_id", batch_id),
             timeout=timeout,
-            poll_interval=check_seconds("poll_interval", poll_interval),
+            poll_interval=float(poll_interval),
         )
 
     def cancel_batch(self, batch_id: int) -> int:
@@ -375,7 +389,9 @@ class LeaseQueue:
 
         Workers holding one of them lose their lease, as with :meth:`cancel`.
         """
-        return batch_module.cancel_batch(self._driver, batch_id, sql.notify_channel(self.schema))
+        return batch_module.cancel_batch(
+            self._driver, check_id("batch_id", batch_id), sql.notify_channel(self.schema)
+        )
 
     # -- flow control ----------------------------------------------------------------------
 
@@ -790,7 +806,8 @@ class LeaseQueue:
     ) -> int:
         """Enqueue dead tasks again with a fresh budget of attempts; return how many.
 
-        ``task_ids``, ``queue`` and ``batch`` (a batch id) narrow the tasks retried.
+        ``task_ids``, ``queue`` and ``batch`` (a batch id) narrow the tasks retried; a
+        ``batch`` that does not exist raises BatchNotFound.
 
         A dead task whose idempotency key an unfinished task holds stays dead (the key is
         unique among unfinished tasks), as do all but the newest of dead tasks sharing a
@@ -799,7 +816,7 @@ class LeaseQueue:
         params = {
             "task_ids": None if task_ids is None else [int(task_id) for task_id in task_ids],
             "queue": queue,
-            "batch_id": batch,
+            "batch_id": None if batch is None else check_id("batch", batch),
         }
         with self._driver.connection() as conn:
             for _ in range(_ENQUEUE_RETRIES):
@@ -815,6 +832,8 @@ class LeaseQueue:
                     continue
             else:  # pragma: no cover - needs a new enqueue of a key at every try
                 raise LeaseQueueError("retry_dead: the keys of these tasks kept changing hands")
+            if batch is not None and not retried:  # a mistyped id is an error, not 0
+                batch_module.require_batch(conn, self._driver, batch)
             for task_id, key in conn.execute(
                 self._driver.statement(sql.DEAD_WITH_KEY_TAKEN), params
             ):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Mapping
 from datetime import datetime
+from typing import Any
 
 from .errors import ConfigurationError
 
@@ -54,6 +56,27 @@ def check_count(name: str, value: int, *, minimum: int = 1, maximum: int = MAX_R
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise ConfigurationError(
             f"{name} must be a whole number from {minimum} to {maximum}, got {value!r}"
+        )
+    return value
+
+
+MAX_ID = 2**63 - 1  # PostgreSQL's bigint
+# The shortest interval between two reads of a batch's state while waiting for it.
+MIN_POLL_SECONDS = 0.01
+
+
+def check_id(name: str, value: int) -> int:
+    """A task's or a batch's id: a whole number the database's ids can hold."""
+    return check_count(name, value, maximum=MAX_ID)
+
+
+def check_iterable(name: str, value: Iterable[Any], of: str) -> Iterable[Any]:
+    """``value`` if it is an iterable of items (a list, a generator), not one item whose
+    characters or keys would be taken for the items."""
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise ConfigurationError(
+            f"{name} must be an iterable of {of} (a list or a generator), "
+            f"got {type(value).__name__}"
         )
     return value
 

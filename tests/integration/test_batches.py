@@ -631,3 +631,67 @@ def test_an_upgrade_builds_the_batch_index_concurrently_and_mends_an_interrupted
     assert "(batch_id, status, id)" in definition[0] and definition[0].endswith("true")
     assert queue.install() == 0
     assert queue.enqueue_batch([{"n": 1}], queue="docs").total == 1
+
+
+def test_batch_results_takes_one_status_by_its_name(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([{"n": 1}], queue="docs")
+    lease = queue.claim(queue="docs")
+    assert lease is not None
+    lease.ack({"n": 1})
+    assert [r.result for r in queue.batch_results(batch.id, statuses="done")] == [{"n": 1}]
+    assert list(queue.batch_results(batch.id, statuses="dead")) == []
+
+
+@pytest.mark.parametrize("bad", ["abc", "14", True, 1.5, [1], None, 0, -1, 2**70])
+def test_a_batch_id_that_is_not_one_says_so_before_the_database_is_asked(
+    queue: LeaseQueue, bad: Any
+) -> None:
+    for call in (
+        lambda: queue.batch(bad),
+        lambda: queue.batch_results(bad),
+        lambda: queue.wait_batch(bad, timeout=0),
+        lambda: queue.cancel_batch(bad),
+    ):
+        with pytest.raises(ConfigurationError, match="batch_id must be a whole number"):
+            call()
+    if bad is not None:
+        with pytest.raises(ConfigurationError, match="batch must be a whole number"):
+            queue.retry_dead(batch=bad)
+
+
+def test_retry_dead_of_a_batch_that_does_not_exist_says_so(queue: LeaseQueue) -> None:
+    with pytest.raises(BatchNotFound, match="12345"):
+        queue.retry_dead(batch=12345)
+
+
+@pytest.mark.parametrize("payloads", ["hello", b"hello", {"a": 1}, None, 5])
+def test_payloads_that_are_not_an_iterable_of_them_are_refused_whole(
+    queue: LeaseQueue, payloads: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match="payloads must be an iterable of dicts"):
+        queue.enqueue_batch(payloads, queue="docs")
+    with pytest.raises(ConfigurationError, match="payloads must be an iterable of dicts"):
+        queue.enqueue_many(payloads, queue="docs")
+    assert queue.batches() == [] and queue.stats("docs").counts.get("enqueued", 0) == 0
+
+
+def test_idempotency_keys_given_as_one_string_are_refused(queue: LeaseQueue) -> None:
+    with pytest.raises(ConfigurationError, match="idempotency_keys must be an iterable of keys"):
+        queue.enqueue_batch([{"n": 1}, {"n": 2}], queue="docs", idempotency_keys="xy")
+    assert queue.batches() == []
+
+
+def test_wait_batch_refuses_a_poll_that_would_spin(queue: LeaseQueue) -> None:
+    batch = queue.enqueue_batch([{"n": 1}], queue="docs")
+    with pytest.raises(ConfigurationError, match=r"poll_interval must be at least 0\.01"):
+        queue.wait_batch(batch.id, timeout=1, poll_interval=1e-9)
+
+
+def test_a_batch_name_taken_in_another_queue_is_an_error(queue: LeaseQueue) -> None:
+    first = queue.enqueue_batch([{"n": 1}], queue="docs", name="nightly")
+    taken = r"'nightly' is taken by batch \d+ of queue 'docs'"
+    with pytest.raises(ConfigurationError, match=taken):
+        queue.enqueue_batch([{"n": 2}], queue="mail", name="nightly")
+    again = queue.enqueue_batch([{"n": 3}], queue="docs", name="nightly")
+    assert (again.id, again.created) == (first.id, False)
+    assert [b.id for b in queue.batches()] == [first.id]
