@@ -28,6 +28,10 @@ MAX_ATTEMPTS = 10_000
 # Keys are indexed (with the queue's name, at most 200 characters): a btree entry holds
 # at most about 2,700 bytes, and a character takes up to 4.
 MAX_KEY_LENGTH = 400
+# Task and batch ids are PostgreSQL bigints.
+MAX_ID = 2**63 - 1
+# The shortest interval between two reads of a batch's state while waiting for it.
+MIN_POLL_SECONDS = 0.01
 # A schema name needs no quoting and fits PostgreSQL's 63-byte identifiers.
 SCHEMA_NAME_PATTERN = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -58,11 +62,6 @@ def check_count(name: str, value: int, *, minimum: int = 1, maximum: int = MAX_R
             f"{name} must be a whole number from {minimum} to {maximum}, got {value!r}"
         )
     return value
-
-
-MAX_ID = 2**63 - 1  # PostgreSQL's bigint
-# The shortest interval between two reads of a batch's state while waiting for it.
-MIN_POLL_SECONDS = 0.01
 
 
 def check_id(name: str, value: int) -> int:
