@@ -125,7 +125,9 @@ def document_batch(
     limit_summaries(leasequeue)
     payloads = (document for _ in range(config.copies) for document in DOCUMENTS)
     # Named after the run: a retry of this step finds the batch it made instead of a second.
-    batch = leasequeue.enqueue_batch(payloads, queue=QUEUE, name=f"document_batch:{context.run_id}")
+    batch = leasequeue.enqueue_batch(
+        payloads, queue=QUEUE, name=f"document_batch:{context.run.run_id}"
+    )
     context.log.info(f"batch {batch.id}: {batch.total} documents enqueued")
     return dg.MaterializeResult(metadata=batch_metadata(batch))
 
