@@ -193,8 +193,11 @@ _BATCH_SESSION_STRIPE = f"""
 # An ack (to done, from a status not counted) adds one, with nothing to compute. Any other
 # change, and a session's first count in the batch, make the stripe's row if it is missing
 # and go through the general update.
+_STRIPE_NAMED_BY_THE_SESSION = (
+    f"nullif(current_setting('{BATCH_STRIPE_SETTING}', true), '')::smallint"
+)
 _SESSION_STRIPE = f"""coalesce(
-            nullif(current_setting('{BATCH_STRIPE_SETTING}', true), '')::smallint,
+            {_STRIPE_NAMED_BY_THE_SESSION},
             {{schema}}.batch_session_stripe(), {{schema}}.batch_stripe())"""
 _COUNT_INTO_STRIPE = f"""\
         IF NEW.status = 'done' AND OLD.status NOT IN ('done', 'dead', 'cancelled') THEN
@@ -1400,9 +1403,6 @@ _BATCH_LAST_TASK = (
 # back: one condition for an ack, and its update names the session's stripe from the
 # setting, the stripe's function called only when the update finds no row (757,578 ->
 # 756,853 instructions per batch task of a claim() and lease.ack() drain).
-_STRIPE_NAMED_BY_THE_SESSION = (
-    f"nullif(current_setting('{BATCH_STRIPE_SETTING}', true), '')::smallint"
-)
 _COUNT_BATCH_TASK_V24 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
     BEGIN
         IF NEW.status = 'done' AND OLD.status = 'processing'
