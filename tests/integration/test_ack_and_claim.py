@@ -103,20 +103,26 @@ def test_ack_and_claim_on_a_paused_queue_acks_and_claims_nothing(queue: LeaseQue
     assert queue.claim() is not None
 
 
-def refuse_to_claim_boom(queue: LeaseQueue) -> None:
-    """A trigger that fails any claim of a task whose payload has ``boom``."""
+def on_claiming(queue: LeaseQueue, mark: str, action: str) -> None:
+    """A trigger that runs ``action`` (PL/pgSQL) in the claim of a task whose payload has
+    the key ``mark``."""
     run_sql(
         queue,
-        """
-        CREATE FUNCTION {schema}.refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
+        f"""
+        CREATE FUNCTION {{schema}}.on_claiming_{mark}() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN
-            IF NEW.payload ? 'boom' THEN RAISE EXCEPTION 'this task cannot be claimed'; END IF;
+            IF NEW.payload ? '{mark}' THEN {action}; END IF;
             RETURN NEW;
         END $$;
-        CREATE TRIGGER refuse_boom BEFORE UPDATE ON {schema}.tasks FOR EACH ROW
-            WHEN (NEW.status = 'processing') EXECUTE FUNCTION {schema}.refuse_boom();
+        CREATE TRIGGER on_claiming_{mark} BEFORE UPDATE ON {{schema}}.tasks FOR EACH ROW
+            WHEN (NEW.status = 'processing') EXECUTE FUNCTION {{schema}}.on_claiming_{mark}();
         """,
     )
+
+
+def refuse_to_claim_boom(queue: LeaseQueue) -> None:
+    """Any claim of a task whose payload has ``boom`` fails."""
+    on_claiming(queue, "boom", "RAISE EXCEPTION 'this task cannot be claimed'")
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["ack_and_claim", "ack_many_and_claim"])
@@ -151,18 +157,7 @@ def test_a_session_lost_in_the_claim_after_the_ack_on_a_controlled_queue_is_repo
 ) -> None:
     # The ack and claim_flow() share a transaction: a session that dies in the claim takes
     # the ack with it. The caller is told, and the lease stays unfinished, to ack again.
-    run_sql(
-        queue,
-        """
-        CREATE FUNCTION {schema}.die() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            IF NEW.payload ? 'die' THEN PERFORM pg_terminate_backend(pg_backend_pid()); END IF;
-            RETURN NEW;
-        END $$;
-        CREATE TRIGGER die BEFORE UPDATE ON {schema}.tasks FOR EACH ROW
-            WHEN (NEW.status = 'processing') EXECUTE FUNCTION {schema}.die();
-        """,
-    )
+    on_claiming(queue, "die", "PERFORM pg_terminate_backend(pg_backend_pid())")
     first = queue.enqueue({"n": 1}, concurrency_key="customer-1")
     dying = queue.enqueue({"die": True}, concurrency_key="customer-2")
     queue.set_concurrency_limit("default", 1)
