@@ -76,13 +76,13 @@ def build_batch_sensor(
 
     It finds the batches made by ``upstream``'s materializations (their metadata, from
     :func:`batch_metadata`; ``upstream`` is an asset key, or the asset or spec itself), and
-    when one has finished (no task enqueued or processing; dead
-    tasks included: the downstream asset decides what they mean) requests one run of
-    ``asset_selection`` or ``job`` (exactly one of them). The run key names the batch
-    (``leasequeue-batch-<id>``), so a
-    tick whose result was thrown away, or a second tick, never requests it twice; the run's
-    ``leasequeue/batch`` tag holds the id (:func:`batch_id_from_run`). It also records an
-    observation on the queue's asset with the batch's counts, duration and throughput.
+    when one has finished (no task enqueued or processing; dead tasks included: the
+    downstream asset decides what they mean) requests one run of ``asset_selection`` or
+    ``job`` (exactly one of them). The run key names the batch (``leasequeue-batch-<id>``),
+    so a tick whose result was thrown away, or a second tick, never requests it twice; the
+    run's ``leasequeue/batch`` tag holds the id (:func:`batch_id_from_run`). It also
+    records an observation on the queue's asset with the batch's counts, duration and
+    throughput.
 
     Example:
         .. code-block:: python
