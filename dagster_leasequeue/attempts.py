@@ -7,6 +7,10 @@ by the fenced ack. A unique index allows one success per key: when two attempts 
 run at once (a paused zombie and its replacement, say), the one that commits second finds
 the key taken, rolls its effects back and reports a duplicate. No lock is held across the
 work, so a paused process never holds its replacement up.
+
+Work run ``REPEATABLE READ`` or ``SERIALIZABLE`` cannot update a row changed after its
+snapshot, as the task's row is by the lease's renewal: when the ack meets that conflict,
+the commit keeps the effects and the success mark, and the ack follows it (migration 25).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import errors as pg_errors, pq
@@ -26,7 +30,6 @@ from .connection import (
     CachedConnection,
     Executor,
     deallocate,
-    deallocate_leftovers,
     reset_session,
 )
 from .driver import QueueDriver
@@ -244,7 +247,8 @@ def _run(
 ) -> Generator[Attempt, None, bool]:
     """The work's transaction and how it ends; True when its commit also reset the session."""
     conn = cached.conn
-    session_reset = False
+    concluded = _Concluded(session_reset=False, ack_pending=False)
+    encoded = None
     try:
         conn.autocommit = False
         try:
@@ -256,7 +260,7 @@ def _run(
                 # transaction to open just to conclude.
                 conn.autocommit = True
             script = _conclusion_script(empty, claim)
-            session_reset = _conclude(cached, driver, script, attempt, lease, encoded, claim)
+            concluded = _conclude(cached, driver, script, attempt, lease, encoded, claim)
         except BaseException:
             _rollback(conn)
             raise
@@ -285,11 +289,26 @@ def _run(
             # cut): the database's failure, told as the package tells it everywhere else.
             driver.errors.raise_translated(exc)
         raise
+    session_reset = concluded.session_reset
     if lease is not None:
+        if concluded.ack_pending:
+            if not session_reset:
+                reset_session(conn, driver.statement(sql.RESET_SESSION))
+                session_reset = True
+            with driver.errors:
+                lease._ack_after_commit(cached, encoded)
         lease._mark_acked()
     if claim is not None and session_reset:
         claim.succeeded = True
     return session_reset
+
+
+class _Concluded(NamedTuple):
+    """How a conclusion went: whether its round trip also reset the session, and whether
+    the lease's ack may be left to make after its commit (see sql.CONCLUDE_ATTEMPT)."""
+
+    session_reset: bool
+    ack_pending: bool
 
 
 def _conclusion_script(empty: bool, claim: _NextClaim | None) -> str:
@@ -324,15 +343,16 @@ def _conclude(
     lease: Lease | None,
     encoded_result: str | None,
     claim: _NextClaim | None,
-) -> bool:
+) -> _Concluded:
     """The success mark, the lease's fenced ack, the commit and the session's reset, and
-    the next claim with ``claim``; False when the session is left to reset.
+    the next claim with ``claim``.
 
     One round trip (``script``: see sql.CONCLUDE_ATTEMPT); the commit happens only if the
-    mark and the ack both went through. The claim comes before that commit, undone alone
-    when it fails (sql.CONCLUDE_ATTEMPT_AND_CLAIM), or after it: either way a claim that
-    fails (a conflict, a timeout) costs the attempt nothing, and no next task comes with it
-    (the first kind is made again apart: see _NextClaim.lease).
+    mark and the ack both went through, or the mark alone when the ack met a serialization
+    failure (the ack is then pending: see _run). The claim comes before that commit, undone
+    alone when it fails (sql.CONCLUDE_ATTEMPT_AND_CLAIM), or after it: either way a claim
+    that fails (a conflict, a timeout) costs the attempt nothing, and no next task comes
+    with it (the first kind is made again apart: see _NextClaim.lease).
     """
     params: dict[str, Any] = {
         "attempt_id": None if attempt.duplicate else attempt.id,
@@ -363,26 +383,27 @@ def _conclude(
             with driver.errors:
                 cached.conn.rollback()
                 lease._raise_lost_on(cached, "ack")
-        if claim is not None and lease is not None and _concluded_before(cached.conn, lease):
+        if claim is not None and _concluded_before(cached, driver, attempt, lease):
             logger.warning(
                 "task %s concluded, but the claim of the next task after it failed: %s",
-                lease.task_id,
+                claim.task,
                 exc,
             )
             claim.failed = True
-            return False
+            return _Concluded(session_reset=False, ack_pending=True)
         with driver.errors:
             raise
+    results = _result_rows(cursor)
+    ((acked,),) = results[0]
+    if claim is not None:
+        claim.rows = results[-1]
     # Committed: a failure to drop what the borrower PREPAREd only costs the connection.
     try:
-        if claim is None:
-            deallocate_leftovers(cursor)
-        else:
-            *_, (reset,), claim.rows = _result_rows(cursor)
-            deallocate(cached.conn, reset[-1])
+        ((reset,),) = results[1]
+        deallocate(cached.conn, reset)
     except psycopg.Error:
         cached.conn.close()  # the pool discards a closed connection
-    return True
+    return _Concluded(session_reset=True, ack_pending=not acked)
 
 
 def _conclude_with_claim(
@@ -390,14 +411,16 @@ def _conclude_with_claim(
     text: str,
     params: dict[str, Any],
     claim: _NextClaim,
-) -> bool:
+) -> _Concluded:
     """Run sql.CONCLUDE_ATTEMPT_AND_CLAIM: an error before its commit is raised; one after
     it (the session's reset failed) keeps the task the commit claimed, and leaves the
-    session to reset."""
+    session to reset. Its row of NULLs (no claim made: always so outside READ COMMITTED)
+    leaves the ack pending, as it may be (see migration 25)."""
     outcome = cached.run_script(text, params)
     if outcome.error is not None and not outcome.committed:
         raise outcome.error
     claim.rows = outcome.rows[0]
+    ack_pending = bool(claim.rows) and claim.rows[0][0] is None
     if outcome.error is not None:
         logger.warning(
             "task %s concluded, but the session's reset after it failed: %s",
@@ -407,21 +430,34 @@ def _conclude_with_claim(
         if claim.rows and claim.rows[0][0] is None:
             claim.rows = []  # not made with the conclusion: not made on a session not reset
         claim.failed = claim.succeeded = True
-        return False
+        return _Concluded(session_reset=False, ack_pending=ack_pending)
     # Committed: a failure to drop what the borrower PREPAREd only costs the connection.
     try:
         ((reset,),) = outcome.rows[-1]
         deallocate(cached.conn, reset)
     except psycopg.Error:
         cached.conn.close()  # the pool discards a closed connection
-    return True
+    return _Concluded(session_reset=True, ack_pending=ack_pending)
 
 
-def _concluded_before(conn: psycopg.Connection[Any], lease: Lease) -> bool:
-    """Whether the conclusion committed before the script failed (the claim after it did)."""
-    _rollback(conn)
+def _concluded_before(
+    cached: CachedConnection, driver: QueueDriver, attempt: Attempt, lease: Lease | None
+) -> bool:
+    """Whether the conclusion committed before the script failed (the claim after it did):
+    the lease concluded its task, or the attempt's success mark is there (its ack pending)."""
+    _rollback(cached.conn)
+    if lease is None:
+        return False
     try:
-        return lease._concluded_by_self()
+        if lease._concluded_by_self():
+            return True
+        if attempt.duplicate:
+            return False
+        with driver.connection() as conn:
+            row = conn.execute(
+                driver.statement(sql.ATTEMPT_OUTCOME), {"attempt_id": attempt.id}
+            ).fetchone()
+        return row is not None and row[0] == "succeeded"
     except LeaseQueueError:
         return False
 

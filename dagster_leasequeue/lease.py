@@ -209,6 +209,23 @@ class Lease:
         if changed != 1:
             self._raise_lost_on(conn, "ack")
 
+    def _ack_after_commit(self, conn: CachedConnection, encoded_result: str | None) -> None:
+        """The fenced ack an attempt's commit may have left undone (attempts._run): made
+        now, unless that commit made it. Raises LeaseLost when the lease is gone; the work
+        and its success mark stay committed, and the task's next attempt finds them."""
+        params = self._fence_params() | {"result": encoded_result}
+        if conn.changed(self._statement(sql.ACK), params) == 1:
+            return
+        row = conn.execute(self._statement(sql.LEASE_STATE), {"task_id": self.task_id}).fetchone()
+        if row is not None and row[1] == self.token and row[0] != "processing":
+            return  # the attempt's commit acked it
+        raise LeaseLost(
+            f"task {self.task_id}'s work and its success are committed, but its lease under "
+            f"token {self.token} was lost before the ack (now "
+            f"{'gone' if row is None else row[0]}): its next attempt finds the success and "
+            "skips the work"
+        )
+
     def _mark_acked(self) -> None:
         """Record that an ack run through :meth:`_ack_on` has committed."""
         with self._lock:

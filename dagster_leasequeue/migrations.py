@@ -1196,6 +1196,41 @@ _CONDITIONS_IN_THE_FUNCTIONS = (
     "DROP FUNCTION {schema}.key_change_counted(text, text)",
 )
 
+# An attempt's success mark and its task's fenced ack, as migration 4's conclude_attempt()
+# has them; migration 25's conclude_attempt_acked() has the same statements.
+_SUCCESS_MARK = """\
+IF p_attempt_id IS NOT NULL THEN
+    UPDATE {schema}.attempts
+    SET outcome = 'succeeded', result = p_result,
+        finished_at = clock_timestamp()
+    WHERE id = p_attempt_id;
+END IF;
+"""
+_FENCED_ACK = """\
+UPDATE {schema}.tasks
+SET status = 'done', result = p_result, lease_expires_at = NULL,
+    finished_at = clock_timestamp(), updated_at = clock_timestamp()
+WHERE id = p_task_id AND lease_token = p_token
+    AND status = 'processing';
+"""
+_RAISE_IF_LEASE_GONE = """\
+IF NOT FOUND THEN
+    RAISE EXCEPTION 'the lease on task % under token % is gone',
+        p_task_id, p_token
+        USING ERRCODE = 'LQ001';
+END IF;
+"""
+_CONCLUDE_ATTEMPT = f"""
+            CREATE FUNCTION {{schema}}.conclude_attempt(
+                p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
+            ) RETURNS void LANGUAGE plpgsql AS $$
+            BEGIN
+{indent(_SUCCESS_MARK, " " * 16)}                IF p_task_id IS NOT NULL THEN
+{indent(_FENCED_ACK + _RAISE_IF_LEASE_GONE, " " * 20)}                END IF;
+            END
+            $$
+            """
+
 # Migration 21: an attempt's conclusion and the claim of the next task in one commit. With
 # claim_next, the round trip that ended an attempt committed the success mark and the ack,
 # then the claim in a transaction of its own: two commits to wait for, one for the
@@ -1223,7 +1258,7 @@ _CONCLUDE_AND_CLAIM_HEAD = """
     DECLARE
         v_claimed boolean;{declare}
     BEGIN
-        PERFORM {{schema}}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
+        PERFORM {{schema}}.{conclusion}(p_attempt_id, p_task_id, p_token, p_result);
 {before}        BEGIN
 """
 _CONCLUDE_AND_CLAIM_TAIL = """, t.concurrency_key
@@ -1251,10 +1286,14 @@ def _conclude_and_claim(
     warning: str,
     handled: str,
     give_up: str,
+    conclusion: str = "conclude_attempt",
 ) -> str:
-    """conclude_and_claim() as a migration creates it (see migrations 21 and 22)."""
+    """conclude_and_claim() as a migration creates it (see migrations 21, 22 and 25)."""
     head = _CONCLUDE_AND_CLAIM_HEAD.format(
-        replace="OR REPLACE " if replace else "", declare=declare, before=before
+        replace="OR REPLACE " if replace else "",
+        declare=declare,
+        before=before,
+        conclusion=conclusion,
     )
     tail = _CONCLUDE_AND_CLAIM_TAIL.format(
         after=after,
@@ -1290,8 +1329,7 @@ _NO_CLAIM_MADE = """\
 RETURN NEXT;  -- a row of NULLs: the claim was not made
 RETURN;
 """
-_CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(
-    replace=True,
+_CONCLUDE_AND_CLAIM_V22_PARTS: dict[str, str] = dict(
     declare="\n        v_lock_timeout text;",
     before="""\
         IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -1311,6 +1349,7 @@ _CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(
     handled="OTHERS OR query_canceled",
     give_up="id := NULL;\n" + _NO_CLAIM_MADE,
 )
+_CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(replace=True, **_CONCLUDE_AND_CLAIM_V22_PARTS)
 
 # Migration 23: a batch's finish with less to do, counted by callgrind in the server per
 # task of a batch drained with claim() and lease.ack(): 841,566 -> 758,296 instructions
@@ -1418,6 +1457,52 @@ _COUNT_BATCH_TASK_V24 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
             RETURN NULL;
         END IF;
 {_LAST_TASK_THEN_PROBE}"""
+
+# Migration 25: an attempt whose work runs REPEATABLE READ or SERIALIZABLE concludes when
+# its task's row changed after the work's snapshot. Under those levels an UPDATE of a row
+# that another transaction changed after the snapshot fails with a serialization failure,
+# and the fenced ack updates the task's row, which the lease's renewal changes (every
+# lease_seconds / 3 while the work runs), and, for a task with a concurrency key, its key's
+# row, which every claim and finish of the key's tasks changes: such an attempt failed at
+# its conclusion, its effects rolled back, every time its work outlasted a renewal.
+# conclude_attempt_acked() makes the success mark, then the fenced ack in a block of its
+# own; when only the ack meets a serialization failure, the block is undone alone and the
+# function returns false: the work's effects and its success mark commit, and the client
+# acks after the commit, in a transaction of its own (attempts.py). The success mark is
+# what makes the work count once: should the process die before that ack, the task's lease
+# runs out, and its next attempt finds the success and skips the work. In READ COMMITTED,
+# where an UPDATE waits for the row and never meets this failure, it returns true, or
+# raises as conclude_attempt() does when the fence fails. conclude_and_claim() concludes
+# through it (it claims in READ COMMITTED only, and returns its row of NULLs otherwise,
+# whereupon the client acks, when the commit did not, and claims after the commit).
+# conclude_attempt() is left as it was for workers of the earlier release; one of them whose
+# work meets that conflict in conclude_and_claim() sees its attempt succeed but does not ack:
+# its task's lease runs out, and the next attempt finds the success.
+_CONCLUDE_ATTEMPT_ACKED = f"""
+    CREATE FUNCTION {{schema}}.conclude_attempt_acked(
+        p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
+    ) RETURNS boolean LANGUAGE plpgsql AS $$
+    BEGIN
+{indent(_SUCCESS_MARK, " " * 8)}        IF p_task_id IS NULL THEN
+            RETURN true;
+        END IF;
+        IF current_setting('transaction_isolation') = 'read committed' THEN
+{indent(_FENCED_ACK + _RAISE_IF_LEASE_GONE, " " * 12)}            RETURN true;
+        END IF;
+        BEGIN
+{indent(_FENCED_ACK, " " * 12)}        EXCEPTION WHEN serialization_failure THEN
+            RETURN false;
+        END;
+{indent(_RAISE_IF_LEASE_GONE, " " * 8)}        RETURN true;
+    END
+    $$
+"""
+_ACK_AFTER_A_CONFLICT = (
+    _CONCLUDE_ATTEMPT_ACKED,
+    _conclude_and_claim(
+        replace=True, conclusion="conclude_attempt_acked", **_CONCLUDE_AND_CLAIM_V22_PARTS
+    ),
+)
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -1535,32 +1620,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             # raising when the fence fails is what keeps that COMMIT from running. Its
             # statements are the attempt's success mark (its own row, by id) and the fenced
             # ACK, as they stood at this version.
-            """
-            CREATE FUNCTION {schema}.conclude_attempt(
-                p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
-            ) RETURNS void LANGUAGE plpgsql AS $$
-            BEGIN
-                IF p_attempt_id IS NOT NULL THEN
-                    UPDATE {schema}.attempts
-                    SET outcome = 'succeeded', result = p_result,
-                        finished_at = clock_timestamp()
-                    WHERE id = p_attempt_id;
-                END IF;
-                IF p_task_id IS NOT NULL THEN
-                    UPDATE {schema}.tasks
-                    SET status = 'done', result = p_result, lease_expires_at = NULL,
-                        finished_at = clock_timestamp(), updated_at = clock_timestamp()
-                    WHERE id = p_task_id AND lease_token = p_token
-                        AND status = 'processing';
-                    IF NOT FOUND THEN
-                        RAISE EXCEPTION 'the lease on task % under token % is gone',
-                            p_task_id, p_token
-                            USING ERRCODE = 'LQ001';
-                    END IF;
-                END IF;
-            END
-            $$
-            """,
+            _CONCLUDE_ATTEMPT,
         ),
     ),
     Migration(
@@ -1775,6 +1835,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         24,
         "a batch's finish under SERIALIZABLE counts and reads nothing for the batch's end",
         (_COUNT_BATCH_TASK_V24,),
+    ),
+    Migration(
+        25,
+        "an attempt under REPEATABLE READ or SERIALIZABLE acked after its commit on a conflict",
+        _ACK_AFTER_A_CONFLICT,
     ),
 )
 

@@ -935,6 +935,8 @@ FINISH_ATTEMPT = """
     WHERE id = %(attempt_id)s AND outcome IN ('running', 'abandoned')
 """
 
+ATTEMPT_OUTCOME = "SELECT outcome FROM {schema}.attempts WHERE id = %(attempt_id)s"
+
 SUCCESS_FOR_IDENTITY = """
     SELECT result FROM {schema}.attempts
     WHERE identity IN (%(identity)s, %(legacy_identity)s) AND outcome = 'succeeded'
@@ -974,7 +976,12 @@ RESET_SESSION = (
 # duplicate), the lease's fenced ack (task_id and token; NULL without a lease), the commit
 # and the session's reset, in one round trip (one simple query, its values bound by the
 # client). When the fence fails the function raises LEASE_GONE, so the COMMIT never runs.
-_CONCLUDE = "SELECT {schema}.conclude_attempt(%(attempt_id)s, %(task_id)s, %(token)s, %(result)s); "
+# It answers false when the work ran REPEATABLE READ or SERIALIZABLE and the task's row (or
+# its key's) changed after the work's snapshot, a renewal say: the ack would fail the
+# commit, so it is left for the client to make after it (migration 25).
+_CONCLUDE = (
+    "SELECT {schema}.conclude_attempt_acked(%(attempt_id)s, %(task_id)s, %(token)s, %(result)s); "
+)
 CONCLUDE_ATTEMPT = _CONCLUDE + "COMMIT; " + RESET_SESSION
 # When the work ran no statement there is no transaction to commit: the simple query is
 # one implicit transaction, committed when it ends, and no BEGIN is needed before it.

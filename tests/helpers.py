@@ -87,3 +87,20 @@ def start_blocked(dsn: str, schema: str, call: Callable[[], T]) -> Callable[[], 
         return results[0]
 
     return finish
+
+
+def on_claiming(queue: LeaseQueue, mark: str, action: str) -> None:
+    """A trigger that runs ``action`` (PL/pgSQL) in the claim of a task whose payload has
+    the key ``mark``."""
+    run_sql(
+        queue,
+        f"""
+        CREATE FUNCTION {{schema}}.on_claiming_{mark}() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.payload ? '{mark}' THEN {action}; END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER on_claiming_{mark} BEFORE UPDATE ON {{schema}}.tasks FOR EACH ROW
+            WHEN (NEW.status = 'processing') EXECUTE FUNCTION {{schema}}.on_claiming_{mark}();
+        """,
+    )

@@ -21,7 +21,7 @@ from dagster_leasequeue import (
     run_worker,
 )
 
-from ..helpers import expire, run_sql, start_blocked, wait_for_a_lock_waiter
+from ..helpers import expire, on_claiming, run_sql, start_blocked, wait_for_a_lock_waiter
 
 
 def statuses(queue: LeaseQueue) -> dict[str, int]:
@@ -101,23 +101,6 @@ def test_ack_and_claim_on_a_paused_queue_acks_and_claims_nothing(queue: LeaseQue
     assert queue.get(first).status == "done"
     queue.resume("default")
     assert queue.claim() is not None
-
-
-def on_claiming(queue: LeaseQueue, mark: str, action: str) -> None:
-    """A trigger that runs ``action`` (PL/pgSQL) in the claim of a task whose payload has
-    the key ``mark``."""
-    run_sql(
-        queue,
-        f"""
-        CREATE FUNCTION {{schema}}.on_claiming_{mark}() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            IF NEW.payload ? '{mark}' THEN {action}; END IF;
-            RETURN NEW;
-        END $$;
-        CREATE TRIGGER on_claiming_{mark} BEFORE UPDATE ON {{schema}}.tasks FOR EACH ROW
-            WHEN (NEW.status = 'processing') EXECUTE FUNCTION {{schema}}.on_claiming_{mark}();
-        """,
-    )
 
 
 def refuse_to_claim_boom(queue: LeaseQueue) -> None:

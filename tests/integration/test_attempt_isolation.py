@@ -1,0 +1,134 @@
+"""Attempts whose work runs REPEATABLE READ or SERIALIZABLE.
+
+Under those levels a row that another transaction changed after the work's snapshot cannot
+be updated: the lease's renewal changes the task's row, and every claim and finish of a
+key's tasks changes the key's row. The attempt still concludes: its effects and its success
+mark commit, and the ack follows in a transaction of its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dagster_leasequeue import Attempt, Lease, LeaseLost, LeaseQueue
+
+from ..helpers import expire, on_claiming, run_sql
+
+LEVELS = ["REPEATABLE READ", "SERIALIZABLE"]
+
+
+@pytest.fixture
+def results(queue: LeaseQueue) -> LeaseQueue:
+    run_sql(queue, "CREATE TABLE {schema}.results (doc text PRIMARY KEY)")
+    return queue
+
+
+def _begin_work(queue: LeaseQueue, attempt: Attempt, level: str, doc: str) -> None:
+    """The work's first statements: its isolation level, then its effect (the snapshot)."""
+    attempt.connection.execute(f"SET TRANSACTION ISOLATION LEVEL {level}")
+    attempt.connection.execute(f'INSERT INTO "{queue.schema}".results VALUES (%s)', (doc,))
+
+
+def _documents(queue: LeaseQueue) -> list[str]:
+    return [row[0] for row in run_sql(queue, "SELECT doc FROM {schema}.results ORDER BY doc")]
+
+
+def _claim(queue: LeaseQueue) -> Lease:
+    lease = queue.claim()
+    assert lease is not None
+    return lease
+
+
+@pytest.mark.parametrize("claim_next", [False, True], ids=["alone", "claim_next"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_attempt_concludes_after_its_lease_was_renewed_during_its_work(
+    results: LeaseQueue, level: str, claim_next: bool
+) -> None:
+    queue = results
+    first, second = queue.enqueue_many([{"doc": "a"}, {"doc": "b"}])
+    lease = _claim(queue)
+    with lease, queue.attempt(lease=lease, claim_next=claim_next) as attempt:
+        _begin_work(queue, attempt, level, "a")
+        lease.renew()  # what the lease's renewal thread does while the work runs
+        attempt.result = {"pages": 1}
+    assert _documents(queue) == ["a"]
+    info = queue.get(first)
+    assert (info.status, info.result) == ("done", {"pages": 1})
+    assert [r.outcome for r in queue.attempts(task_id=first)] == ["succeeded"]
+    if claim_next:
+        assert attempt.claimed is not None and attempt.claimed.task_id == second
+    else:
+        assert attempt.claimed is None
+
+
+@pytest.mark.parametrize("claim_next", [False, True], ids=["alone", "claim_next"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_attempt_on_a_keyed_task_concludes_when_its_key_changed_during_its_work(
+    results: LeaseQueue, level: str, claim_next: bool
+) -> None:
+    queue = results
+    first, second, third = queue.enqueue_many(
+        [{"doc": "a"}, {"doc": "b"}, {"doc": "c"}], concurrency_key="customer-17"
+    )
+    lease = _claim(queue)
+    with queue.attempt(lease=lease, claim_next=claim_next) as attempt:
+        _begin_work(queue, attempt, level, "a")
+        other = _claim(queue)  # the key's running count changes after the work's snapshot
+        assert other.task_id == second
+    assert _documents(queue) == ["a"]
+    assert queue.get(first).status == "done"
+    running = "SELECT running FROM {schema}.flow_keys WHERE key = 'customer-17'"
+    if claim_next:
+        assert attempt.claimed is not None and attempt.claimed.task_id == third
+        assert run_sql(queue, running) == [(2,)]
+        attempt.claimed.ack()
+    else:
+        assert run_sql(queue, running) == [(1,)]
+    other.ack()
+    assert run_sql(queue, running) == [(0,)]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_attempt_whose_lease_passed_on_during_its_work_leaves_its_success_to_the_next(
+    results: LeaseQueue, level: str
+) -> None:
+    queue = results
+    task_id = queue.enqueue({"doc": "a"})
+    stale = _claim(queue)
+    with (
+        pytest.raises(LeaseLost, match="work and its success are committed"),
+        queue.attempt(lease=stale) as attempt,
+    ):
+        _begin_work(queue, attempt, level, "a")
+        attempt.result = {"pages": 1}
+        expire(queue, task_id)
+        queue.sweep()
+        fresh = _claim(queue)
+    assert _documents(queue) == ["a"]
+    assert queue.get(task_id).status == "processing"
+    with queue.attempt(lease=fresh) as attempt:
+        assert attempt.duplicate and attempt.result == {"pages": 1}
+    info = queue.get(task_id)
+    assert (info.status, info.result) == ("done", {"pages": 1})
+    assert _documents(queue) == ["a"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_attempt_whose_next_claim_fails_after_its_commit_still_acks(
+    results: LeaseQueue, level: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A keyed task's claim_next runs after the commit, in the same round trip; when it
+    # fails, the attempt asks whether its commit went through: its success mark says so,
+    # though the ack it left undone has not been made yet.
+    queue = results
+    on_claiming(queue, "boom", "RAISE EXCEPTION 'this task cannot be claimed'")
+    first, boom = queue.enqueue_many([{"doc": "a"}, {"boom": True}], concurrency_key="k")
+    lease = _claim(queue)
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        _begin_work(queue, attempt, level, "a")
+        lease.renew()
+    assert attempt.claimed is None
+    assert "the claim of the next task after it failed" in caplog.text
+    assert queue.get(first).status == "done" and queue.get(boom).status == "enqueued"
+    assert [r.outcome for r in queue.attempts(task_id=first)] == ["succeeded"]
+    assert _documents(queue) == ["a"]
