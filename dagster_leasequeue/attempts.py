@@ -10,7 +10,9 @@ work, so a paused process never holds its replacement up.
 
 Work run ``REPEATABLE READ`` or ``SERIALIZABLE`` cannot update a row changed after its
 snapshot, as the task's row is by the lease's renewal: when the ack meets that conflict,
-the commit keeps the effects and the success mark, and the ack follows it (migration 25).
+the commit keeps the effects and the success mark, and the ack follows it. Whatever takes
+the lease writes the attempt's record, so the success mark of such work fails instead
+(migrations 25 and 26).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from . import sql
 from .connection import (
     CachedConnection,
     Executor,
+    ScriptOutcome,
     deallocate,
     reset_session,
 )
@@ -367,9 +370,9 @@ def _conclude(
         params |= claim.params
         claim.sent = time.monotonic()
     try:
-        if claim is not None and claim.together:
-            return _conclude_with_claim(cached, text, params, claim)
-        cursor = cached.execute_script(text, params)
+        outcome = cached.run_script(text, params)
+        if outcome.error is not None and not outcome.committed:
+            raise outcome.error
     except psycopg.Error as exc:
         # Only the success index means another attempt won; the caller's own unique
         # constraints (deferred ones fail at COMMIT) are errors like any other.
@@ -383,96 +386,80 @@ def _conclude(
             with driver.errors:
                 cached.conn.rollback()
                 lease._raise_lost_on(cached, "ack")
-        if claim is not None and _concluded_before(cached, driver, attempt, lease):
+        if lease is not None and isinstance(exc, pg_errors.SerializationFailure):
+            # Outside READ COMMITTED, a success mark that meets a conflict: the attempt's
+            # record was written after the work's snapshot, by whatever took the lease
+            # (sql._FENCE_UNFINISHED_ATTEMPTS), or by another attempt of the same work.
+            with driver.errors:
+                cached.conn.rollback()
+                lease._raise_if_lost_on(cached, "ack")
+        if cached.conn.broken and _committed_before_the_cut(driver, attempt):
             logger.warning(
-                "task %s concluded, but the claim of the next task after it failed: %s",
-                claim.task,
+                "task %s concluded, but the connection was lost after its commit: %s",
+                lease.task_id if lease else None,
                 exc,
             )
-            claim.failed = True
-            return _Concluded(session_reset=False, ack_pending=True)
+            if claim is not None:
+                claim.failed = True  # a task the commit claimed is left to its lease
+            return _Concluded(session_reset=False, ack_pending=lease is not None)
         with driver.errors:
             raise
-    results = _result_rows(cursor)
-    ((acked,),) = results[0]
-    if claim is not None:
-        claim.rows = results[-1]
-    # Committed: a failure to drop what the borrower PREPAREd only costs the connection.
+    subject = f"task {lease.task_id}" if lease else f"the attempt at {attempt.key!r}"
+    return _committed(cached, outcome, claim, subject)
+
+
+def _committed_before_the_cut(driver: QueueDriver, attempt: Attempt) -> bool:
+    """Whether a conclusion whose connection was lost committed first: its success mark is
+    there. (A duplicate makes none: it is told the database was unreachable, and concludes
+    again when its task comes back.) Asked on the renewals' connection: the attempt's own
+    may have held the pool's last."""
+    if attempt.duplicate:
+        return False
     try:
-        ((reset,),) = results[1]
-        deallocate(cached.conn, reset)
-    except psycopg.Error:
-        cached.conn.close()  # the pool discards a closed connection
-    return _Concluded(session_reset=True, ack_pending=not acked)
+        with driver.renewal_connection() as conn:
+            row = conn.execute(
+                driver.statement(sql.ATTEMPT_OUTCOME), {"attempt_id": attempt.id}
+            ).fetchone()
+    except LeaseQueueError:
+        return False
+    return row is not None and row[0] == "succeeded"
 
 
-def _conclude_with_claim(
-    cached: CachedConnection,
-    text: str,
-    params: dict[str, Any],
-    claim: _NextClaim,
+def _committed(
+    cached: CachedConnection, outcome: ScriptOutcome, claim: _NextClaim | None, subject: str
 ) -> _Concluded:
-    """Run sql.CONCLUDE_ATTEMPT_AND_CLAIM: an error before its commit is raised; one after
-    it (the session's reset failed) keeps the task the commit claimed, and leaves the
-    session to reset. Its row of NULLs (no claim made: always so outside READ COMMITTED)
-    leaves the ack pending, as it may be (see migration 25)."""
-    outcome = cached.run_script(text, params)
-    if outcome.error is not None and not outcome.committed:
-        raise outcome.error
-    claim.rows = outcome.rows[0]
-    ack_pending = bool(claim.rows) and claim.rows[0][0] is None
+    """Read a conclusion that committed: its answer, its claim's rows, and an error after
+    its commit (the session's reset, or the claim that follows it, failed), which leaves
+    the session to reset and brings no next task but the one the commit claimed."""
+    answer = outcome.rows[0]
+    if claim is not None and claim.together:
+        # A row of NULLs: the claim was not made (always so outside READ COMMITTED), and
+        # the ack may not have been either (see migration 26).
+        claim.rows = answer
+        ack_pending = bool(answer) and answer[0][0] is None
+    else:
+        ((acked,),) = answer
+        ack_pending = not acked
+        if claim is not None and outcome.error is None:
+            claim.rows = outcome.rows[-1]
     if outcome.error is not None:
-        logger.warning(
-            "task %s concluded, but the session's reset after it failed: %s",
-            claim.task,
-            outcome.error,
-        )
-        if claim.rows and claim.rows[0][0] is None:
-            claim.rows = []  # not made with the conclusion: not made on a session not reset
-        claim.failed = claim.succeeded = True
+        # The reset's row came back when what failed was the claim after it.
+        failed = "the claim of the next task" if len(outcome.rows) > 1 else "the session's reset"
+        logger.warning("%s concluded, but %s after it failed: %s", subject, failed, outcome.error)
+        if claim is not None:
+            if claim.together:
+                if ack_pending:
+                    claim.rows = []  # not made with the conclusion: not on a session not reset
+                claim.succeeded = True
+            claim.failed = True
         return _Concluded(session_reset=False, ack_pending=ack_pending)
     # Committed: a failure to drop what the borrower PREPAREd only costs the connection.
     try:
-        ((reset,),) = outcome.rows[-1]
+        ((reset,),) = outcome.rows[1]
         deallocate(cached.conn, reset)
     except psycopg.Error:
         cached.conn.close()  # the pool discards a closed connection
     return _Concluded(session_reset=True, ack_pending=ack_pending)
-
-
-def _concluded_before(
-    cached: CachedConnection, driver: QueueDriver, attempt: Attempt, lease: Lease | None
-) -> bool:
-    """Whether the conclusion committed before the script failed (the claim after it did):
-    the lease concluded its task, or the attempt's success mark is there (its ack pending)."""
-    _rollback(cached.conn)
-    if lease is None:
-        return False
-    try:
-        if lease._concluded_by_self():
-            return True
-        if attempt.duplicate:
-            return False
-        with driver.connection() as conn:
-            row = conn.execute(
-                driver.statement(sql.ATTEMPT_OUTCOME), {"attempt_id": attempt.id}
-            ).fetchone()
-        return row is not None and row[0] == "succeeded"
-    except LeaseQueueError:
-        return False
-
-
-def _result_rows(cursor: psycopg.Cursor[Any]) -> list[list[Row]]:
-    """The rows of each statement of a script that returned rows, in order."""
-    results = []
-    while True:
-        # The result's status, not cursor.description: that would describe every column of
-        # every statement, a good part of the client's time on a script of a dozen.
-        result = cursor.pgresult
-        if result is not None and result.status == pq.ExecStatus.TUPLES_OK:
-            results.append(cursor.fetchall())
-        if not cursor.nextset():
-            return results
 
 
 def _adopt_success(

@@ -499,18 +499,14 @@ class CachedConnection:
                 retries -= 1
                 logger.info("a statement met a conflict and is sent again: %s", exc.sqlstate)
 
-    def execute_script(self, script: str, params: Params) -> psycopg.ClientCursor[Any]:
+    def run_script(self, script: str, params: Params) -> ScriptOutcome:
         """Run several statements in one round trip, their values bound by the client.
 
         psycopg quotes each value; the server parses the text each time and prepares
-        nothing, so a script should call functions or statements that are cheap to plan.
-        The cursor holds the result of each statement (``nextset()`` moves on).
+        nothing, so a script should call functions or statements that are cheap to plan. A
+        statement that fails does not take the rows of the statements before it with it:
+        they come back beside its error, with whether a COMMIT among them went through.
         """
-        return self._script_cursor().execute(script, params, prepare=False)
-
-    def run_script(self, script: str, params: Params) -> ScriptOutcome:
-        """As :meth:`execute_script`, but a statement that fails does not take the rows of
-        the statements before it with it: they come back beside its error."""
         cursor = self._script_cursor()
         query = cursor.mogrify(script, params).encode(self.conn.info.encoding)
         conn = self.conn

@@ -95,8 +95,9 @@ class QueueDriver:
             self._connections.release(cached)
 
     @contextmanager
-    def renewal_connection(self, *, wait: float) -> Iterator[psycopg.Connection[Any]]:
-        """The connection renewals share; one of its own after ``wait`` seconds busy."""
+    def renewal_connection(self, *, wait: float = 1.0) -> Iterator[psycopg.Connection[Any]]:
+        """The connection renewals share; one of its own after ``wait`` seconds busy. Also
+        for a statement that must not wait for the pool (an attempt may hold its last)."""
         with self.errors, self._renewals.use(wait=wait) as conn:
             yield conn
 

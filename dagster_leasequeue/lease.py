@@ -200,23 +200,32 @@ class Lease:
         The caller marks the lease finished once that transaction commits (see
         :meth:`_mark_acked`); this is how an attempt makes its effects and the ack atomic.
         """
+        if not self._fenced_ack(conn, encoded_result):
+            self._raise_lost_on(conn, "ack")
+
+    def _fenced_ack(self, conn: Executor | CachedConnection, encoded_result: str | None) -> bool:
+        """Run the fenced ack on ``conn``; whether it acked the task."""
         params = self._fence_params() | {"result": encoded_result}
         statement = self._statement(sql.ACK)
         if isinstance(conn, CachedConnection):
-            changed = conn.changed(statement, params)  # the worker's own: the fast path
-        else:
-            changed = conn.execute(statement, params).rowcount
-        if changed != 1:
-            self._raise_lost_on(conn, "ack")
+            return conn.changed(statement, params) == 1  # the worker's own: the fast path
+        return conn.execute(statement, params).rowcount == 1
 
-    def _ack_after_commit(self, conn: CachedConnection, encoded_result: str | None) -> None:
+    def _ack_after_commit(
+        self, conn: Executor | CachedConnection, encoded_result: str | None
+    ) -> None:
         """The fenced ack an attempt's commit may have left undone (attempts._run): made
-        now, unless that commit made it. Raises LeaseLost when the lease is gone; the work
-        and its success mark stay committed, and the task's next attempt finds them."""
-        params = self._fence_params() | {"result": encoded_result}
-        if conn.changed(self._statement(sql.ACK), params) == 1:
+        now, unless that commit made it, on ``conn`` or, when that one is closed (a failed
+        reset, a cut), on the renewals' (the attempt's may hold the pool's last one). Raises
+        LeaseLost when the lease was lost meanwhile; the work and its success mark stay
+        committed, and the task's next attempt finds them."""
+        if isinstance(conn, CachedConnection) and (conn.conn.closed or conn.conn.broken):
+            with self._driver.renewal_connection() as other:
+                self._ack_after_commit(other, encoded_result)
             return
-        row = conn.execute(self._statement(sql.LEASE_STATE), {"task_id": self.task_id}).fetchone()
+        if self._fenced_ack(conn, encoded_result):
+            return
+        row = self._state_on(conn)
         if row is not None and row[1] == self.token and row[0] != "processing":
             return  # the attempt's commit acked it
         raise LeaseLost(
@@ -353,7 +362,19 @@ class Lease:
 
     def _raise_lost_on(self, conn: Executor, action: str) -> NoReturn:
         """Raise LeaseLost for ``action``, saying why the fence failed (read on ``conn``)."""
-        row = conn.execute(self._statement(sql.LEASE_STATE), {"task_id": self.task_id}).fetchone()
+        raise self._lost_error(self._state_on(conn), action)
+
+    def _raise_if_lost_on(self, conn: Executor, action: str) -> None:
+        """Raise LeaseLost for ``action`` if the lease is no longer held (read on ``conn``)."""
+        row = self._state_on(conn)
+        if row != ("processing", self.token):
+            raise self._lost_error(row, action)
+
+    def _state_on(self, conn: Executor) -> Row | None:
+        """The task's status and lease token, read on ``conn``; None when it is gone."""
+        return conn.execute(self._statement(sql.LEASE_STATE), {"task_id": self.task_id}).fetchone()
+
+    def _lost_error(self, row: Row | None, action: str) -> LeaseLost:
         if row is None:
             reason = "the task no longer exists"
         elif row[1] is not None and row[1] != self.token:
@@ -362,7 +383,7 @@ class Lease:
             reason = f"this lease already concluded it (now {row[0]})"
         else:
             reason = f"its lease expired and the task was recovered or cancelled (now {row[0]})"
-        raise LeaseLost(
+        return LeaseLost(
             f"cannot {action} task {self.task_id} with token {self.token}: {reason}; "
             "nothing was changed"
         )

@@ -1197,7 +1197,7 @@ _CONDITIONS_IN_THE_FUNCTIONS = (
 )
 
 # An attempt's success mark and its task's fenced ack, as migration 4's conclude_attempt()
-# has them; migration 25's conclude_attempt_acked() has the same statements.
+# has them; migration 26's conclude_attempt_acked() has the same statements.
 _SUCCESS_MARK = """\
 IF p_attempt_id IS NOT NULL THEN
     UPDATE {schema}.attempts
@@ -1288,7 +1288,7 @@ def _conclude_and_claim(
     give_up: str,
     conclusion: str = "conclude_attempt",
 ) -> str:
-    """conclude_and_claim() as a migration creates it (see migrations 21, 22 and 25)."""
+    """conclude_and_claim() as a migration creates it (see migrations 21, 22 and 26)."""
     head = _CONCLUDE_AND_CLAIM_HEAD.format(
         replace="OR REPLACE " if replace else "",
         declare=declare,
@@ -1458,42 +1458,68 @@ _COUNT_BATCH_TASK_V24 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
         END IF;
 {_LAST_TASK_THEN_PROBE}"""
 
-# Migration 25: an attempt whose work runs REPEATABLE READ or SERIALIZABLE concludes when
-# its task's row changed after the work's snapshot. Under those levels an UPDATE of a row
-# that another transaction changed after the snapshot fails with a serialization failure,
-# and the fenced ack updates the task's row, which the lease's renewal changes (every
-# lease_seconds / 3 while the work runs), and, for a task with a concurrency key, its key's
-# row, which every claim and finish of the key's tasks changes: such an attempt failed at
-# its conclusion, its effects rolled back, every time its work outlasted a renewal.
-# conclude_attempt_acked() makes the success mark, then the fenced ack in a block of its
-# own; when only the ack meets a serialization failure, the block is undone alone and the
-# function returns false: the work's effects and its success mark commit, and the client
-# acks after the commit, in a transaction of its own (attempts.py). The success mark is
-# what makes the work count once: should the process die before that ack, the task's lease
-# runs out, and its next attempt finds the success and skips the work. In READ COMMITTED,
-# where an UPDATE waits for the row and never meets this failure, it returns true, or
-# raises as conclude_attempt() does when the fence fails. conclude_and_claim() concludes
-# through it (it claims in READ COMMITTED only, and returns its row of NULLs otherwise,
-# whereupon the client acks, when the commit did not, and claims after the commit).
+# Migrations 25 and 26: an attempt whose work runs REPEATABLE READ or SERIALIZABLE concludes
+# when its task's row changed after the work's snapshot, and its lease is still fenced.
+# Under those levels an UPDATE of a row another transaction changed after the snapshot
+# fails with a serialization failure. The fenced ack updates the task's row, which the
+# lease's renewal changes (every lease_seconds / 3 while the work runs), and, for a task
+# with a concurrency key, its key's row, which every claim and finish of the key's tasks
+# changes: such an attempt failed at its conclusion, its effects rolled back, every time its
+# work outlasted a renewal. Yet that failure was also the fence: the snapshot still shows
+# the old token, so only the conflict told a lease taken after the snapshot (a sweep, a
+# cancel) from one still held.
+#
+# The fence becomes the attempt's own record under those levels: whatever takes a task from
+# its holder (sql.SWEEP_BATCH, sql.CANCEL, sql.CANCEL_BATCH) also writes the task's
+# unfinished attempt records ('running', or 'abandoned' by another attempt's start while
+# still at work), found by migration 25's index, so the success mark of an attempt whose
+# lease was taken after its snapshot meets the conflict and rolls the work back, as the
+# fenced ack does under READ COMMITTED. A renewal writes no attempt record. A duplicate
+# attempt makes no success mark: its ack's conflict is raised, as before, and it concludes
+# again (a duplicate's work writes nothing, and runs no statement at all as a rule).
+#
+# conclude_attempt_acked() (migration 26) makes the fenced ack first, then the success mark:
+# the order in which the sweep and the cancel lock the two rows, so that neither waits for
+# the other in a cycle. Outside READ COMMITTED the ack runs in a block of its own; when it
+# meets a serialization failure, the block is undone alone and the function returns false:
+# the effects and the success mark commit, and the client acks after the commit, in a
+# transaction of its own (attempts.py). Should the process die before that ack, the task's
+# lease runs out, and its next attempt finds the success and skips the work. In READ
+# COMMITTED, where an UPDATE waits for the row and never meets this failure, it returns
+# true, or raises as conclude_attempt() does when the fence fails. conclude_and_claim()
+# concludes through it (it claims in READ COMMITTED only, and returns its row of NULLs
+# otherwise, whereupon the client acks, when the commit did not, and claims after it).
 # conclude_attempt() is left as it was for workers of the earlier release; one of them whose
 # work meets that conflict in conclude_and_claim() sees its attempt succeed but does not ack:
-# its task's lease runs out, and the next attempt finds the success.
+# its task's lease runs out, and the next attempt finds the success. A sweep or a cancel by
+# the earlier release writes no attempt record, and so does not fence such work. (The
+# function is created OR REPLACE: a schema made by a development build holds it already.)
+_UNFINISHED_ATTEMPTS_BY_TASK = """
+    CREATE INDEX CONCURRENTLY IF NOT EXISTS attempts_unfinished_task_idx
+        ON {schema}.attempts (task_id) WHERE outcome IN ('running', 'abandoned')
+"""
 _CONCLUDE_ATTEMPT_ACKED = f"""
-    CREATE FUNCTION {{schema}}.conclude_attempt_acked(
+    CREATE OR REPLACE FUNCTION {{schema}}.conclude_attempt_acked(
         p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
     ) RETURNS boolean LANGUAGE plpgsql AS $$
+    DECLARE
+        v_acked boolean := true;
     BEGIN
-{indent(_SUCCESS_MARK, " " * 8)}        IF p_task_id IS NULL THEN
-            RETURN true;
+        IF p_task_id IS NOT NULL THEN
+            IF current_setting('transaction_isolation') = 'read committed' THEN
+{indent(_FENCED_ACK, " " * 16)}            ELSE
+                BEGIN
+{indent(_FENCED_ACK, " " * 20)}                EXCEPTION WHEN serialization_failure THEN
+                    IF p_attempt_id IS NULL THEN
+                        RAISE;  -- a duplicate has no record to fence it: it concludes again
+                    END IF;
+                    v_acked := false;
+                END;
+            END IF;
+            IF v_acked THEN
+{indent(_RAISE_IF_LEASE_GONE, " " * 16)}            END IF;
         END IF;
-        IF current_setting('transaction_isolation') = 'read committed' THEN
-{indent(_FENCED_ACK + _RAISE_IF_LEASE_GONE, " " * 12)}            RETURN true;
-        END IF;
-        BEGIN
-{indent(_FENCED_ACK, " " * 12)}        EXCEPTION WHEN serialization_failure THEN
-            RETURN false;
-        END;
-{indent(_RAISE_IF_LEASE_GONE, " " * 8)}        RETURN true;
+{indent(_SUCCESS_MARK, " " * 8)}        RETURN v_acked;
     END
     $$
 """
@@ -1838,6 +1864,12 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         25,
+        "an index of the unfinished attempts by task",
+        (_UNFINISHED_ATTEMPTS_BY_TASK,),
+        concurrently=True,
+    ),
+    Migration(
+        26,
         "an attempt under REPEATABLE READ or SERIALIZABLE acked after its commit on a conflict",
         _ACK_AFTER_A_CONFLICT,
     ),

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import psycopg
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from dagster_leasequeue import LeaseQueue
+from dagster_leasequeue import LeaseQueue, migrations
 
 T = TypeVar("T")
 
@@ -104,3 +105,25 @@ def on_claiming(queue: LeaseQueue, mark: str, action: str) -> None:
             WHEN (NEW.status = 'processing') EXECUTE FUNCTION {{schema}}.on_claiming_{mark}();
         """,
     )
+
+
+def break_the_session_reset(queue: LeaseQueue) -> None:
+    """Replace the schema's reset_session() with one that raises."""
+    run_sql(
+        queue,
+        """
+        ALTER FUNCTION {schema}.reset_session() RENAME TO reset_session_as_installed;
+        CREATE FUNCTION {schema}.reset_session() RETURNS text[] LANGUAGE plpgsql AS $$
+        BEGIN
+            RAISE EXCEPTION 'no reset today';
+        END $$;
+        """,
+    )
+
+
+def install_as_of(queue: LeaseQueue, version: int) -> int:
+    """Install the schema as the release whose last migration was ``version`` did."""
+    with pytest.MonkeyPatch.context() as older_release:
+        older_release.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:version])
+        older_release.setattr(migrations, "LATEST_VERSION", version)
+        return queue.install()

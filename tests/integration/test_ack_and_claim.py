@@ -21,7 +21,14 @@ from dagster_leasequeue import (
     run_worker,
 )
 
-from ..helpers import expire, on_claiming, run_sql, start_blocked, wait_for_a_lock_waiter
+from ..helpers import (
+    break_the_session_reset,
+    expire,
+    on_claiming,
+    run_sql,
+    start_blocked,
+    wait_for_a_lock_waiter,
+)
 
 
 def statuses(queue: LeaseQueue) -> dict[str, int]:
@@ -616,22 +623,30 @@ def test_a_session_reset_that_fails_after_the_commit_keeps_the_task_it_claimed(
     first, second = queue.enqueue_many([{"n": 1}, {"n": 2}])
     lease = queue.claim()
     assert lease is not None and lease.keyless
-    run_sql(
-        queue,
-        """
-        ALTER FUNCTION {schema}.reset_session() RENAME TO reset_session_as_installed;
-        CREATE FUNCTION {schema}.reset_session() RETURNS text[] LANGUAGE plpgsql AS $$
-        BEGIN
-            RAISE EXCEPTION 'no reset today';
-        END $$;
-        """,
-    )
+    break_the_session_reset(queue)
     with queue.attempt(lease=lease, claim_next=True) as attempt:
         pass
     assert queue.get(first).status == "done"
     assert attempt.claimed is not None and attempt.claimed.task_id == second
     attempt.claimed.ack()
     assert statuses(queue) == {"done": 2}
+
+
+def test_a_failed_claim_and_reset_after_the_attempts_commit_leave_it_concluded(
+    queue: LeaseQueue,
+) -> None:
+    # No claim made with the conclusion (its row of NULLs) may mean the ack is pending too;
+    # here the commit made it, and the connection the failed reset closed is not needed.
+    refuse_to_claim_boom(queue)
+    first, boom = queue.enqueue_many([{"n": 1}, {"boom": True}])
+    lease = queue.claim()
+    assert lease is not None and lease.keyless
+    break_the_session_reset(queue)
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        attempt.result = {"ok": True}
+    assert attempt.claimed is None and lease.finished
+    assert queue.get(first).status == "done" and queue.get(boom).status == "enqueued"
+    assert [a.outcome for a in queue.attempts(task_id=first)] == ["succeeded"]
 
 
 def test_a_claim_that_fails_after_the_attempt_committed_costs_the_attempt_nothing(

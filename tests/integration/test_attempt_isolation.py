@@ -8,11 +8,19 @@ mark commit, and the ack follows in a transaction of its own.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from dagster_leasequeue import Attempt, Lease, LeaseLost, LeaseQueue
+from dagster_leasequeue import (
+    Attempt,
+    Lease,
+    LeaseLost,
+    LeaseQueue,
+    migrations,
+)
 
-from ..helpers import expire, on_claiming, run_sql
+from ..helpers import break_the_session_reset, expire, install_as_of, on_claiming, run_sql
 
 LEVELS = ["REPEATABLE READ", "SERIALIZABLE"]
 
@@ -88,29 +96,96 @@ def test_an_attempt_on_a_keyed_task_concludes_when_its_key_changed_during_its_wo
     assert run_sql(queue, running) == [(0,)]
 
 
+@pytest.mark.parametrize("taken", ["swept and claimed", "swept dead", "cancelled"])
 @pytest.mark.parametrize("level", LEVELS)
-def test_an_attempt_whose_lease_passed_on_during_its_work_leaves_its_success_to_the_next(
+def test_an_attempt_whose_lease_was_taken_during_its_work_writes_nothing(
+    results: LeaseQueue, level: str, taken: str
+) -> None:
+    # The snapshot still shows the lease; the sweep or the cancel wrote the attempt's record
+    # after it, so the success mark fails and the work rolls back, as under READ COMMITTED.
+    queue = results
+    task_id = queue.enqueue({"doc": "a"}, max_attempts=1 if taken == "swept dead" else 3)
+    stale = _claim(queue)
+    with pytest.raises(LeaseLost, match="nothing was changed"), queue.attempt(lease=stale) as a:
+        _begin_work(queue, a, level, "a")
+        if taken == "cancelled":
+            assert queue.cancel(task_id)
+        else:
+            expire(queue, task_id)
+            queue.sweep()
+    assert _documents(queue) == []
+    assert [r.outcome for r in queue.attempts(task_id=task_id)] == ["failed"]
+    if taken != "swept and claimed":
+        assert queue.get(task_id).status == {"swept dead": "dead", "cancelled": "cancelled"}[taken]
+        return
+    fresh = _claim(queue)
+    with queue.attempt(lease=fresh) as attempt:
+        assert not attempt.duplicate
+        _begin_work(queue, attempt, level, "a")
+    assert queue.get(task_id).status == "done" and _documents(queue) == ["a"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_attempt_marked_abandoned_by_another_start_is_fenced_too(
     results: LeaseQueue, level: str
 ) -> None:
+    # Another attempt of the same work started (and gave up) before this one's work took its
+    # snapshot: this one's record reads 'abandoned', and the sweep must fence it all the same.
     queue = results
     task_id = queue.enqueue({"doc": "a"})
-    stale = _claim(queue)
+    lease = _claim(queue)
     with (
-        pytest.raises(LeaseLost, match="work and its success are committed"),
-        queue.attempt(lease=stale) as attempt,
+        pytest.raises(LeaseLost, match="nothing was changed"),
+        queue.attempt(key="doc-a", lease=lease) as attempt,
     ):
+        with pytest.raises(RuntimeError), queue.attempt(key="doc-a"):
+            raise RuntimeError("the other attempt gives up")
         _begin_work(queue, attempt, level, "a")
-        attempt.result = {"pages": 1}
         expire(queue, task_id)
         queue.sweep()
-        fresh = _claim(queue)
-    assert _documents(queue) == ["a"]
-    assert queue.get(task_id).status == "processing"
-    with queue.attempt(lease=fresh) as attempt:
-        assert attempt.duplicate and attempt.result == {"pages": 1}
-    info = queue.get(task_id)
-    assert (info.status, info.result) == ("done", {"pages": 1})
-    assert _documents(queue) == ["a"]
+    assert _documents(queue) == []
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_duplicate_whose_lease_was_taken_during_its_work_writes_nothing(
+    results: LeaseQueue, level: str
+) -> None:
+    # A duplicate makes no success mark that could fence it: the conflict of its ack is
+    # raised instead, and its writes roll back with it.
+    queue = results
+    earlier = queue.enqueue({"doc": "a"}, idempotency_key="doc-a")
+    with queue.attempt(lease=_claim(queue)):
+        pass
+    assert queue.get(earlier).status == "done"
+    task_id = queue.enqueue({"doc": "a"}, idempotency_key="doc-a")
+    lease = _claim(queue)
+    with (
+        pytest.raises(LeaseLost, match="nothing was changed"),
+        queue.attempt(lease=lease) as attempt,
+    ):
+        assert attempt.duplicate
+        _begin_work(queue, attempt, level, "a")  # a duplicate's own bookkeeping, say
+        expire(queue, task_id)
+        queue.sweep()
+    assert _documents(queue) == []
+    assert queue.get(task_id).status == "enqueued"
+
+
+def test_a_pending_ack_is_made_when_the_session_reset_after_the_commit_fails(
+    results: LeaseQueue,
+) -> None:
+    # The reset that follows the commit fails and the connection is closed: the ack left
+    # undone by the commit goes out on another connection.
+    queue = results
+    first, second = queue.enqueue_many([{"doc": "a"}, {"doc": "b"}])
+    lease = _claim(queue)
+    break_the_session_reset(queue)
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        _begin_work(queue, attempt, "REPEATABLE READ", "a")
+        lease.renew()
+    assert lease.finished and attempt.claimed is None
+    assert queue.get(first).status == "done" and queue.get(second).status == "enqueued"
+    assert [r.outcome for r in queue.attempts(task_id=first)] == ["succeeded"]
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -132,3 +207,18 @@ def test_an_attempt_whose_next_claim_fails_after_its_commit_still_acks(
     assert queue.get(first).status == "done" and queue.get(boom).status == "enqueued"
     assert [r.outcome for r in queue.attempts(task_id=first)] == ["succeeded"]
     assert _documents(queue) == ["a"]
+
+
+def test_an_upgrade_indexes_the_running_attempts_without_stopping_the_queue(
+    make_queue: Any,
+) -> None:
+    queue = make_queue()
+    install_as_of(queue, 24)
+    queue.enqueue({"doc": "a"})
+    assert queue.install() == len(migrations.MIGRATIONS) - 24
+    (definition,) = run_sql(
+        queue,
+        "SELECT pg_get_indexdef(i.indexrelid) || ' ' || i.indisvalid FROM pg_index AS i "
+        "WHERE i.indexrelid = '{schema}.attempts_unfinished_task_idx'::regclass",
+    )
+    assert "WHERE (outcome = ANY (ARRAY['running'::text, 'abandoned'::text])) true" in definition[0]

@@ -18,10 +18,12 @@ from dagster_leasequeue import (
     LeaseLost,
     LeaseQueue,
     LeaseQueueError,
+    LeaseQueueSettings,
     sql,
 )
 
 from ..helpers import expire, run_sql
+from ..relay import CommitCutter
 
 
 @pytest.fixture
@@ -517,6 +519,33 @@ def test_a_connection_lost_inside_an_attempt_raises_database_unavailable(
     with queue.attempt(lease=again) as attempt:
         attempt.connection.execute("SELECT 1")
     assert queue.get(again.task_id).status == "done"
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["keyless", "keyed"])
+@pytest.mark.parametrize("claim_next", [False, True], ids=["alone", "claim_next"])
+def test_a_connection_cut_right_after_the_commit_leaves_the_attempt_concluded(
+    dsn: str, schema_name: str, settings: LeaseQueueSettings, claim_next: bool, keyed: bool
+) -> None:
+    """The server committed the conclusion, and the connection went before its reply came:
+    the attempt asks the database, finds its success, and reports none of it as a failure."""
+    with (
+        CommitCutter(dsn) as relay,
+        LeaseQueue(relay.dsn, schema=schema_name, settings=settings) as queue,
+    ):
+        queue.install()
+        first = queue.enqueue({"n": 1}, concurrency_key="k" if keyed else None)
+        queue.enqueue({"n": 2})
+        lease = queue.claim()
+        assert lease is not None and lease.task_id == first
+        relay.arm()
+        with queue.attempt(lease=lease, claim_next=claim_next) as attempt:
+            attempt.connection.execute("SELECT 1")
+            attempt.result = {"n": 1}
+        assert relay.cut.is_set()
+        assert lease.finished and attempt.claimed is None
+        info = queue.get(first)
+        assert (info.status, info.result) == ("done", {"n": 1})
+        assert [a.outcome for a in queue.attempts(task_id=first)] == ["succeeded"]
 
 
 def test_the_attempts_start_reads_its_records_by_index_whatever_the_tables_size(

@@ -24,7 +24,7 @@ from dagster_leasequeue import (
     sql,
 )
 
-from ..helpers import expire, run_sql
+from ..helpers import expire, install_as_of, run_sql
 
 
 def statuses_of(queue: LeaseQueue, batch_id: int) -> dict[str, int]:
@@ -602,13 +602,10 @@ def test_a_million_payloads_from_a_generator_with_flat_memory(queue: LeaseQueue,
 
 
 def test_an_upgrade_builds_the_batch_index_concurrently_and_mends_an_interrupted_build(
-    make_queue: Any, monkeypatch: pytest.MonkeyPatch
+    make_queue: Any,
 ) -> None:
     queue = make_queue()
-    with monkeypatch.context() as older_release:
-        older_release.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:6])
-        older_release.setattr(migrations, "LATEST_VERSION", 6)
-        queue.install()
+    install_as_of(queue, 6)
     # Tasks stored by that release (its statements: this one's need the later columns).
     run_sql(
         queue,

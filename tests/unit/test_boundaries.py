@@ -20,14 +20,14 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dagster_leasequeue"
 ALLOWED: dict[str, set[str]] = {
     # Lease's package-internal interface: an attempt acks, fails and reports a lost lease
     # inside its own transaction, and ack_many marks the leases it acked.
-    # (and, when the claim after its commit failed, asks whether that commit went through;
-    # an ack the commit left undone under REPEATABLE READ or SERIALIZABLE is made after it)
+    # (an ack the commit left undone under REPEATABLE READ or SERIALIZABLE is made after it,
+    # and a conflict in the success mark is told apart from a lost lease)
     "attempts.py": {
         "_ack_after_commit",
         "_ack_on",
-        "_concluded_by_self",
         "_fail_on",
         "_mark_acked",
+        "_raise_if_lost_on",
         "_raise_lost_on",
     },
     "queue.py": {"_mark_acked"},
