@@ -8,11 +8,6 @@ run at once (a paused zombie and its replacement, say), the one that commits sec
 the key taken, rolls its effects back and reports a duplicate. No lock is held across the
 work, so a paused process never holds its replacement up.
 
-Work run ``REPEATABLE READ`` or ``SERIALIZABLE`` cannot update a row changed after its
-snapshot, as the task's row is by the lease's renewal: when the ack meets that conflict,
-the commit keeps the effects and the success mark, and the ack follows it. Whatever takes
-the lease writes the attempt's record, so the success mark of such work fails instead
-(migrations 25 and 26).
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors, pq
@@ -250,8 +245,7 @@ def _run(
 ) -> Generator[Attempt, None, bool]:
     """The work's transaction and how it ends; True when its commit also reset the session."""
     conn = cached.conn
-    concluded = _Concluded(session_reset=False, ack_pending=False)
-    encoded = None
+    session_reset = False
     try:
         conn.autocommit = False
         try:
@@ -263,7 +257,7 @@ def _run(
                 # transaction to open just to conclude.
                 conn.autocommit = True
             script = _conclusion_script(empty, claim)
-            concluded = _conclude(cached, driver, script, attempt, lease, encoded, claim)
+            session_reset = _conclude(cached, driver, script, attempt, lease, encoded, claim)
         except BaseException:
             _rollback(conn)
             raise
@@ -292,26 +286,11 @@ def _run(
             # cut): the database's failure, told as the package tells it everywhere else.
             driver.errors.raise_translated(exc)
         raise
-    session_reset = concluded.session_reset
     if lease is not None:
-        if concluded.ack_pending:
-            if not session_reset:
-                reset_session(conn, driver.statement(sql.RESET_SESSION))
-                session_reset = True
-            with driver.errors:
-                lease._ack_after_commit(cached, encoded)
         lease._mark_acked()
     if claim is not None and session_reset:
         claim.succeeded = True
     return session_reset
-
-
-class _Concluded(NamedTuple):
-    """How a conclusion went: whether its round trip also reset the session, and whether
-    the lease's ack may be left to make after its commit (see sql.CONCLUDE_ATTEMPT)."""
-
-    session_reset: bool
-    ack_pending: bool
 
 
 def _conclusion_script(empty: bool, claim: _NextClaim | None) -> str:
@@ -346,16 +325,16 @@ def _conclude(
     lease: Lease | None,
     encoded_result: str | None,
     claim: _NextClaim | None,
-) -> _Concluded:
+) -> bool:
     """The success mark, the lease's fenced ack, the commit and the session's reset, and
-    the next claim with ``claim``.
+    the next claim with ``claim``; False when the session is left to reset.
 
-    One round trip (``script``: see sql.CONCLUDE_ATTEMPT); the commit happens only if the
-    mark and the ack both went through, or the mark alone when the ack met a serialization
-    failure (the ack is then pending: see _run). The claim comes before that commit, undone
-    alone when it fails (sql.CONCLUDE_ATTEMPT_AND_CLAIM), or after it: either way a claim
-    that fails (a conflict, a timeout) costs the attempt nothing, and no next task comes
-    with it (the first kind is made again apart: see _NextClaim.lease).
+    One round trip (``script``: see sql.CONCLUDE_ATTEMPT), which tells whether its commit
+    went through; the commit happens only if the mark and the ack both went through. The
+    claim comes before that commit, undone alone when it fails
+    (sql.CONCLUDE_ATTEMPT_AND_CLAIM), or after it: either way a claim that fails (a
+    conflict, a timeout) costs the attempt nothing, and no next task comes with it (the
+    first kind is made again apart: see _NextClaim.lease).
     """
     params: dict[str, Any] = {
         "attempt_id": None if attempt.duplicate else attempt.id,
@@ -363,6 +342,7 @@ def _conclude(
         "token": lease.token if lease else None,
         "result": encoded_result,
     }
+    subject = f"task {lease.task_id}" if lease else f"the attempt at {attempt.key!r}"
     text = driver.statement(script)
     if claim is not None:
         if not claim.together:
@@ -387,24 +367,20 @@ def _conclude(
                 cached.conn.rollback()
                 lease._raise_lost_on(cached, "ack")
         if lease is not None and isinstance(exc, pg_errors.SerializationFailure):
-            # Outside READ COMMITTED, a success mark that meets a conflict: the attempt's
-            # record was written after the work's snapshot, by whatever took the lease
-            # (sql._FENCE_UNFINISHED_ATTEMPTS), or by another attempt of the same work.
+            # Outside READ COMMITTED, an ack that meets a conflict (see sql.CONCLUDE_ATTEMPT):
+            # the lease may have been taken, or renewed, after the work's snapshot.
             with driver.errors:
                 cached.conn.rollback()
                 lease._raise_if_lost_on(cached, "ack")
         if cached.conn.broken and _committed_before_the_cut(driver, attempt):
             logger.warning(
-                "task %s concluded, but the connection was lost after its commit: %s",
-                lease.task_id if lease else None,
-                exc,
+                "%s concluded, but the connection was lost after its commit: %s", subject, exc
             )
             if claim is not None:
                 claim.failed = True  # a task the commit claimed is left to its lease
-            return _Concluded(session_reset=False, ack_pending=lease is not None)
+            return False
         with driver.errors:
             raise
-    subject = f"task {lease.task_id}" if lease else f"the attempt at {attempt.key!r}"
     return _committed(cached, outcome, claim, subject)
 
 
@@ -427,20 +403,15 @@ def _committed_before_the_cut(driver: QueueDriver, attempt: Attempt) -> bool:
 
 def _committed(
     cached: CachedConnection, outcome: ScriptOutcome, claim: _NextClaim | None, subject: str
-) -> _Concluded:
-    """Read a conclusion that committed: its answer, its claim's rows, and an error after
-    its commit (the session's reset, or the claim that follows it, failed), which leaves
-    the session to reset and brings no next task but the one the commit claimed."""
-    answer = outcome.rows[0]
-    if claim is not None and claim.together:
-        # A row of NULLs: the claim was not made (always so outside READ COMMITTED), and
-        # the ack may not have been either (see migration 26).
-        claim.rows = answer
-        ack_pending = bool(answer) and answer[0][0] is None
-    else:
-        ((acked,),) = answer
-        ack_pending = not acked
-        if claim is not None and outcome.error is None:
+) -> bool:
+    """Read a conclusion that committed: its claim's rows, and an error after its commit
+    (the session's reset, or the claim that follows it, failed), which leaves the session
+    to reset and brings no next task but the one the commit claimed. False when the session
+    is left to reset."""
+    if claim is not None:
+        if claim.together:
+            claim.rows = outcome.rows[0]
+        elif outcome.error is None:
             claim.rows = outcome.rows[-1]
     if outcome.error is not None:
         # The reset's row came back when what failed was the claim after it.
@@ -448,18 +419,18 @@ def _committed(
         logger.warning("%s concluded, but %s after it failed: %s", subject, failed, outcome.error)
         if claim is not None:
             if claim.together:
-                if ack_pending:
+                if claim.rows and claim.rows[0][0] is None:
                     claim.rows = []  # not made with the conclusion: not on a session not reset
                 claim.succeeded = True
             claim.failed = True
-        return _Concluded(session_reset=False, ack_pending=ack_pending)
+        return False
     # Committed: a failure to drop what the borrower PREPAREd only costs the connection.
     try:
         ((reset,),) = outcome.rows[1]
         deallocate(cached.conn, reset)
     except psycopg.Error:
         cached.conn.close()  # the pool discards a closed connection
-    return _Concluded(session_reset=True, ack_pending=ack_pending)
+    return True
 
 
 def _adopt_success(

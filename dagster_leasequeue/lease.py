@@ -200,40 +200,14 @@ class Lease:
         The caller marks the lease finished once that transaction commits (see
         :meth:`_mark_acked`); this is how an attempt makes its effects and the ack atomic.
         """
-        if not self._fenced_ack(conn, encoded_result):
-            self._raise_lost_on(conn, "ack")
-
-    def _fenced_ack(self, conn: Executor | CachedConnection, encoded_result: str | None) -> bool:
-        """Run the fenced ack on ``conn``; whether it acked the task."""
         params = self._fence_params() | {"result": encoded_result}
         statement = self._statement(sql.ACK)
         if isinstance(conn, CachedConnection):
-            return conn.changed(statement, params) == 1  # the worker's own: the fast path
-        return conn.execute(statement, params).rowcount == 1
-
-    def _ack_after_commit(
-        self, conn: Executor | CachedConnection, encoded_result: str | None
-    ) -> None:
-        """The fenced ack an attempt's commit may have left undone (attempts._run): made
-        now, unless that commit made it, on ``conn`` or, when that one is closed (a failed
-        reset, a cut), on the renewals' (the attempt's may hold the pool's last one). Raises
-        LeaseLost when the lease was lost meanwhile; the work and its success mark stay
-        committed, and the task's next attempt finds them."""
-        if isinstance(conn, CachedConnection) and (conn.conn.closed or conn.conn.broken):
-            with self._driver.renewal_connection() as other:
-                self._ack_after_commit(other, encoded_result)
-            return
-        if self._fenced_ack(conn, encoded_result):
-            return
-        row = self._state_on(conn)
-        if row is not None and row[1] == self.token and row[0] != "processing":
-            return  # the attempt's commit acked it
-        raise LeaseLost(
-            f"task {self.task_id}'s work and its success are committed, but its lease under "
-            f"token {self.token} was lost before the ack (now "
-            f"{'gone' if row is None else row[0]}): its next attempt finds the success and "
-            "skips the work"
-        )
+            changed = conn.changed(statement, params)  # the worker's own: the fast path
+        else:
+            changed = conn.execute(statement, params).rowcount
+        if changed != 1:
+            self._raise_lost_on(conn, "ack")
 
     def _mark_acked(self) -> None:
         """Record that an ack run through :meth:`_ack_on` has committed."""

@@ -1196,41 +1196,6 @@ _CONDITIONS_IN_THE_FUNCTIONS = (
     "DROP FUNCTION {schema}.key_change_counted(text, text)",
 )
 
-# An attempt's success mark and its task's fenced ack, as migration 4's conclude_attempt()
-# has them; migration 26's conclude_attempt_acked() has the same statements.
-_SUCCESS_MARK = """\
-IF p_attempt_id IS NOT NULL THEN
-    UPDATE {schema}.attempts
-    SET outcome = 'succeeded', result = p_result,
-        finished_at = clock_timestamp()
-    WHERE id = p_attempt_id;
-END IF;
-"""
-_FENCED_ACK = """\
-UPDATE {schema}.tasks
-SET status = 'done', result = p_result, lease_expires_at = NULL,
-    finished_at = clock_timestamp(), updated_at = clock_timestamp()
-WHERE id = p_task_id AND lease_token = p_token
-    AND status = 'processing';
-"""
-_RAISE_IF_LEASE_GONE = """\
-IF NOT FOUND THEN
-    RAISE EXCEPTION 'the lease on task % under token % is gone',
-        p_task_id, p_token
-        USING ERRCODE = 'LQ001';
-END IF;
-"""
-_CONCLUDE_ATTEMPT = f"""
-            CREATE FUNCTION {{schema}}.conclude_attempt(
-                p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
-            ) RETURNS void LANGUAGE plpgsql AS $$
-            BEGIN
-{indent(_SUCCESS_MARK, " " * 16)}                IF p_task_id IS NOT NULL THEN
-{indent(_FENCED_ACK + _RAISE_IF_LEASE_GONE, " " * 20)}                END IF;
-            END
-            $$
-            """
-
 # Migration 21: an attempt's conclusion and the claim of the next task in one commit. With
 # claim_next, the round trip that ended an attempt committed the success mark and the ack,
 # then the claim in a transaction of its own: two commits to wait for, one for the
@@ -1258,7 +1223,7 @@ _CONCLUDE_AND_CLAIM_HEAD = """
     DECLARE
         v_claimed boolean;{declare}
     BEGIN
-        PERFORM {{schema}}.{conclusion}(p_attempt_id, p_task_id, p_token, p_result);
+        PERFORM {{schema}}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
 {before}        BEGIN
 """
 _CONCLUDE_AND_CLAIM_TAIL = """, t.concurrency_key
@@ -1286,14 +1251,10 @@ def _conclude_and_claim(
     warning: str,
     handled: str,
     give_up: str,
-    conclusion: str = "conclude_attempt",
 ) -> str:
-    """conclude_and_claim() as a migration creates it (see migrations 21, 22 and 26)."""
+    """conclude_and_claim() as a migration creates it (see migrations 21 and 22)."""
     head = _CONCLUDE_AND_CLAIM_HEAD.format(
-        replace="OR REPLACE " if replace else "",
-        declare=declare,
-        before=before,
-        conclusion=conclusion,
+        replace="OR REPLACE " if replace else "", declare=declare, before=before
     )
     tail = _CONCLUDE_AND_CLAIM_TAIL.format(
         after=after,
@@ -1329,7 +1290,8 @@ _NO_CLAIM_MADE = """\
 RETURN NEXT;  -- a row of NULLs: the claim was not made
 RETURN;
 """
-_CONCLUDE_AND_CLAIM_V22_PARTS: dict[str, str] = dict(
+_CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(
+    replace=True,
     declare="\n        v_lock_timeout text;",
     before="""\
         IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -1349,7 +1311,6 @@ _CONCLUDE_AND_CLAIM_V22_PARTS: dict[str, str] = dict(
     handled="OTHERS OR query_canceled",
     give_up="id := NULL;\n" + _NO_CLAIM_MADE,
 )
-_CONCLUDE_AND_CLAIM_V22 = _conclude_and_claim(replace=True, **_CONCLUDE_AND_CLAIM_V22_PARTS)
 
 # Migration 23: a batch's finish with less to do, counted by callgrind in the server per
 # task of a batch drained with claim() and lease.ack(): 841,566 -> 758,296 instructions
@@ -1457,78 +1418,6 @@ _COUNT_BATCH_TASK_V24 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
             RETURN NULL;
         END IF;
 {_LAST_TASK_THEN_PROBE}"""
-
-# Migrations 25 and 26: an attempt whose work runs REPEATABLE READ or SERIALIZABLE concludes
-# when its task's row changed after the work's snapshot, and its lease is still fenced.
-# Under those levels an UPDATE of a row another transaction changed after the snapshot
-# fails with a serialization failure. The fenced ack updates the task's row, which the
-# lease's renewal changes (every lease_seconds / 3 while the work runs), and, for a task
-# with a concurrency key, its key's row, which every claim and finish of the key's tasks
-# changes: such an attempt failed at its conclusion, its effects rolled back, every time its
-# work outlasted a renewal. Yet that failure was also the fence: the snapshot still shows
-# the old token, so only the conflict told a lease taken after the snapshot (a sweep, a
-# cancel) from one still held.
-#
-# The fence becomes the attempt's own record under those levels: whatever takes a task from
-# its holder (sql.SWEEP_BATCH, sql.CANCEL, sql.CANCEL_BATCH) also writes the task's
-# unfinished attempt records ('running', or 'abandoned' by another attempt's start while
-# still at work), found by migration 25's index, so the success mark of an attempt whose
-# lease was taken after its snapshot meets the conflict and rolls the work back, as the
-# fenced ack does under READ COMMITTED. A renewal writes no attempt record. A duplicate
-# attempt makes no success mark: its ack's conflict is raised, as before, and it concludes
-# again (a duplicate's work writes nothing, and runs no statement at all as a rule).
-#
-# conclude_attempt_acked() (migration 26) makes the fenced ack first, then the success mark:
-# the order in which the sweep and the cancel lock the two rows, so that neither waits for
-# the other in a cycle. Outside READ COMMITTED the ack runs in a block of its own; when it
-# meets a serialization failure, the block is undone alone and the function returns false:
-# the effects and the success mark commit, and the client acks after the commit, in a
-# transaction of its own (attempts.py). Should the process die before that ack, the task's
-# lease runs out, and its next attempt finds the success and skips the work. In READ
-# COMMITTED, where an UPDATE waits for the row and never meets this failure, it returns
-# true, or raises as conclude_attempt() does when the fence fails. conclude_and_claim()
-# concludes through it (it claims in READ COMMITTED only, and returns its row of NULLs
-# otherwise, whereupon the client acks, when the commit did not, and claims after it).
-# conclude_attempt() is left as it was for workers of the earlier release; one of them whose
-# work meets that conflict in conclude_and_claim() sees its attempt succeed but does not ack:
-# its task's lease runs out, and the next attempt finds the success. A sweep or a cancel by
-# the earlier release writes no attempt record, and so does not fence such work. (The
-# function is created OR REPLACE: a schema made by a development build holds it already.)
-_UNFINISHED_ATTEMPTS_BY_TASK = """
-    CREATE INDEX CONCURRENTLY IF NOT EXISTS attempts_unfinished_task_idx
-        ON {schema}.attempts (task_id) WHERE outcome IN ('running', 'abandoned')
-"""
-_CONCLUDE_ATTEMPT_ACKED = f"""
-    CREATE OR REPLACE FUNCTION {{schema}}.conclude_attempt_acked(
-        p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
-    ) RETURNS boolean LANGUAGE plpgsql AS $$
-    DECLARE
-        v_acked boolean := true;
-    BEGIN
-        IF p_task_id IS NOT NULL THEN
-            IF current_setting('transaction_isolation') = 'read committed' THEN
-{indent(_FENCED_ACK, " " * 16)}            ELSE
-                BEGIN
-{indent(_FENCED_ACK, " " * 20)}                EXCEPTION WHEN serialization_failure THEN
-                    IF p_attempt_id IS NULL THEN
-                        RAISE;  -- a duplicate has no record to fence it: it concludes again
-                    END IF;
-                    v_acked := false;
-                END;
-            END IF;
-            IF v_acked THEN
-{indent(_RAISE_IF_LEASE_GONE, " " * 16)}            END IF;
-        END IF;
-{indent(_SUCCESS_MARK, " " * 8)}        RETURN v_acked;
-    END
-    $$
-"""
-_ACK_AFTER_A_CONFLICT = (
-    _CONCLUDE_ATTEMPT_ACKED,
-    _conclude_and_claim(
-        replace=True, conclusion="conclude_attempt_acked", **_CONCLUDE_AND_CLAIM_V22_PARTS
-    ),
-)
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -1646,7 +1535,32 @@ MIGRATIONS: tuple[Migration, ...] = (
             # raising when the fence fails is what keeps that COMMIT from running. Its
             # statements are the attempt's success mark (its own row, by id) and the fenced
             # ACK, as they stood at this version.
-            _CONCLUDE_ATTEMPT,
+            """
+            CREATE FUNCTION {schema}.conclude_attempt(
+                p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb
+            ) RETURNS void LANGUAGE plpgsql AS $$
+            BEGIN
+                IF p_attempt_id IS NOT NULL THEN
+                    UPDATE {schema}.attempts
+                    SET outcome = 'succeeded', result = p_result,
+                        finished_at = clock_timestamp()
+                    WHERE id = p_attempt_id;
+                END IF;
+                IF p_task_id IS NOT NULL THEN
+                    UPDATE {schema}.tasks
+                    SET status = 'done', result = p_result, lease_expires_at = NULL,
+                        finished_at = clock_timestamp(), updated_at = clock_timestamp()
+                    WHERE id = p_task_id AND lease_token = p_token
+                        AND status = 'processing';
+                    IF NOT FOUND THEN
+                        RAISE EXCEPTION 'the lease on task % under token % is gone',
+                            p_task_id, p_token
+                            USING ERRCODE = 'LQ001';
+                    END IF;
+                END IF;
+            END
+            $$
+            """,
         ),
     ),
     Migration(
@@ -1861,17 +1775,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         24,
         "a batch's finish under SERIALIZABLE counts and reads nothing for the batch's end",
         (_COUNT_BATCH_TASK_V24,),
-    ),
-    Migration(
-        25,
-        "an index of the unfinished attempts by task",
-        (_UNFINISHED_ATTEMPTS_BY_TASK,),
-        concurrently=True,
-    ),
-    Migration(
-        26,
-        "an attempt under REPEATABLE READ or SERIALIZABLE acked after its commit on a conflict",
-        _ACK_AFTER_A_CONFLICT,
     ),
 )
 

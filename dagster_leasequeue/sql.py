@@ -169,24 +169,6 @@ _NOTIFY_KEYS_FREED = """
             (SELECT f.max_running FROM {schema}.queue_flow AS f WHERE f.queue = c.queue))
     )"""
 
-# The unfinished attempt records of the tasks a statement took from their holders (a sweep,
-# a cancel), each given the reason: a row written after the snapshot of any such attempt
-# whose work runs REPEATABLE READ or SERIALIZABLE, so that its success mark fails and its
-# work rolls back, as its fenced ack does under READ COMMITTED (migrations 25 and 26). The
-# statement has locked the tasks' rows first, as an attempt's conclusion does. A record
-# locked meanwhile is being concluded, and that conclusion commits before this statement
-# could fence it: it is skipped, not waited for (a conclusion of the earlier release locks
-# the record before the task, and waiting could close a cycle).
-_FENCE_UNFINISHED_ATTEMPTS = """
-    , attempts_fenced AS (
-        UPDATE {{schema}}.attempts SET error = {reason}
-        WHERE id = ANY(ARRAY(
-            SELECT a.id FROM {{schema}}.attempts AS a
-            WHERE a.task_id IN (SELECT id FROM {changed})
-              AND a.outcome IN ('running', 'abandoned')
-            FOR UPDATE SKIP LOCKED))
-    )"""
-
 # A controlled queue's claim. The plain claims refuse a controlled queue (they pick nothing
 # from it); a claimer that finds nothing asks QUEUE_CONTROLLED, and claims a controlled
 # queue through this for a while (queue.py, _CONTROLLED_RECHECK_SECONDS).
@@ -601,9 +583,6 @@ SWEEP_BATCH = (
                   CASE WHEN t.status = 'dead' THEN 'dead' ELSE 'requeued' END AS action,
                   t.concurrency_key
     )"""
-    + _FENCE_UNFINISHED_ATTEMPTS.format(
-        changed="recovered", reason="'its lease expired and a sweep took its task back'"
-    )
     # Its keys' running tasks counted once per key, in key order, as ack_many counts them:
     # row by row, in expiry order, a sweep holding one key's row and waiting for another's
     # could deadlock with a statement that holds the second and waits for the first.
@@ -724,20 +703,13 @@ PURGE_BATCH = (
 """
 )
 
-CANCEL = (
-    """
-    WITH cancelled AS (
-        UPDATE {schema}.tasks
-        SET status = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
-            finished_at = clock_timestamp(), updated_at = clock_timestamp()
-        WHERE id = %(task_id)s AND status IN ('enqueued', 'processing')
-        RETURNING id
-    )"""
-    + _FENCE_UNFINISHED_ATTEMPTS.format(changed="cancelled", reason="'its task was cancelled'")
-    + """
-    SELECT id FROM cancelled
+CANCEL = """
+    UPDATE {schema}.tasks
+    SET status = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
+        finished_at = clock_timestamp(), updated_at = clock_timestamp()
+    WHERE id = %(task_id)s AND status IN ('enqueued', 'processing')
+    RETURNING id
 """
-)
 
 TASK_EXISTS = "SELECT 1 FROM {schema}.tasks WHERE id = %(task_id)s"
 
@@ -850,7 +822,6 @@ CANCEL_BATCH = (
 """
     + _COUNT_IN_BULK.format(column="cancelled", sign="+", changed="cancelled")
     + """, was_running AS (SELECT * FROM cancelled WHERE was = 'processing')"""
-    + _FENCE_UNFINISHED_ATTEMPTS.format(changed="was_running", reason="'its task was cancelled'")
     + _COUNT_KEYS_IN_BULK.format(changed="was_running", tasks="-count(*)")
     + _NOTIFY_KEYS_FREED
     + """
@@ -1005,14 +976,13 @@ RESET_SESSION = (
 # duplicate), the lease's fenced ack (task_id and token; NULL without a lease), the commit
 # and the session's reset, in one round trip (one simple query, its values bound by the
 # client). When the fence fails the function raises LEASE_GONE, so the COMMIT never runs.
-# It answers false when the work ran REPEATABLE READ or SERIALIZABLE and the task's row (or
-# its key's) changed after the work's snapshot, a renewal say: the ack would fail the
-# commit, so it is left for the client to make after it. Under those levels the fence is
-# also the attempt's record, which whatever takes the lease writes: the success mark then
-# fails, and the COMMIT never runs (migrations 25 and 26).
-_CONCLUDE = (
-    "SELECT {schema}.conclude_attempt_acked(%(attempt_id)s, %(task_id)s, %(token)s, %(result)s); "
-)
+# Work run REPEATABLE READ or SERIALIZABLE cannot update a row changed after its snapshot:
+# when its task's row changed (a renewal, a sweep, a cancel) or, for a task with a
+# concurrency key, its key's row, the ack fails with a serialization failure and the
+# COMMIT never runs either. The snapshot still shows the lease, so only that conflict tells
+# a lease taken after it from one merely renewed: the conclusion fails either way, and the
+# task is retried (attempts._conclude raises LeaseLost when the lease is in fact gone).
+_CONCLUDE = "SELECT {schema}.conclude_attempt(%(attempt_id)s, %(task_id)s, %(token)s, %(result)s); "
 CONCLUDE_ATTEMPT = _CONCLUDE + "COMMIT; " + RESET_SESSION
 # When the work ran no statement there is no transaction to commit: the simple query is
 # one implicit transaction, committed when it ends, and no BEGIN is needed before it.

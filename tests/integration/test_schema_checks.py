@@ -87,8 +87,7 @@ def test_the_cheap_checks_migration_rewrites_nothing_and_keeps_every_row(
     attempts = run_sql(queue, "SELECT * FROM {schema}.attempts ORDER BY id")
 
     assert queue.install() == len(migrations.MIGRATIONS) - 16
-    after = dict(run_sql(queue, storage, {"s": queue.schema}))
-    assert {name: after[name] for name in files} == files  # later migrations add relations
+    assert dict(run_sql(queue, storage, {"s": queue.schema})) == files
     assert run_sql(queue, "SELECT * FROM {schema}.tasks ORDER BY id") == rows
     assert run_sql(queue, "SELECT * FROM {schema}.attempts ORDER BY id") == attempts
     assert _refused(dsn, queue, REFUSED[0][0]) == "tasks_values_check"

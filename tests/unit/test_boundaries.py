@@ -20,16 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dagster_leasequeue"
 ALLOWED: dict[str, set[str]] = {
     # Lease's package-internal interface: an attempt acks, fails and reports a lost lease
     # inside its own transaction, and ack_many marks the leases it acked.
-    # (an ack the commit left undone under REPEATABLE READ or SERIALIZABLE is made after it,
-    # and a conflict in the success mark is told apart from a lost lease)
-    "attempts.py": {
-        "_ack_after_commit",
-        "_ack_on",
-        "_fail_on",
-        "_mark_acked",
-        "_raise_if_lost_on",
-        "_raise_lost_on",
-    },
+    # (and, when its ack met a conflict outside READ COMMITTED, whether the lease is lost)
+    "attempts.py": {"_ack_on", "_fail_on", "_mark_acked", "_raise_if_lost_on", "_raise_lost_on"},
     "queue.py": {"_mark_acked"},
     # The renewal thread is part of the Lease it renews (same module).
     "lease.py": {"_concluded_by_self", "_driver", "_local_deadline", "_lost"},
