@@ -7,7 +7,6 @@ by the fenced ack. A unique index allows one success per key: when two attempts 
 run at once (a paused zombie and its replacement, say), the one that commits second finds
 the key taken, rolls its effects back and reports a duplicate. No lock is held across the
 work, so a paused process never holds its replacement up.
-
 """
 
 from __future__ import annotations
