@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,6 +49,13 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in list(os.environ):
         if name.startswith("LEASEQUEUE_") and name not in _TEST_VARIABLES:
             del os.environ[name]
+    # A shell that starts the suite in the background (a CI script with `&`) leaves SIGINT
+    # ignored, and Dagster's in-process runs give SIGTERM SIGINT's handler
+    # (dagster._utils.interrupts): SIGTERM would stay ignored for the rest of the session,
+    # and so in every process a test spawns, whose terminate() then does nothing (a
+    # multiprocessing pool's workers hung its exit). Python's own handler, as in a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
