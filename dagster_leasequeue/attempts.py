@@ -341,7 +341,6 @@ def _conclude(
         "token": lease.token if lease else None,
         "result": encoded_result,
     }
-    subject = f"task {lease.task_id}" if lease else f"the attempt at {attempt.key!r}"
     text = driver.statement(script)
     if claim is not None:
         if not claim.together:
@@ -373,14 +372,21 @@ def _conclude(
                 lease._raise_if_lost_on(cached, "ack")
         if cached.conn.broken and _committed_before_the_cut(driver, attempt):
             logger.warning(
-                "%s concluded, but the connection was lost after its commit: %s", subject, exc
+                "%s concluded, but the connection was lost after its commit: %s",
+                _subject(attempt, lease),
+                exc,
             )
             if claim is not None:
                 claim.failed = True  # a task the commit claimed is left to its lease
             return False
         with driver.errors:
             raise
-    return _committed(cached, outcome, claim, subject)
+    return _committed(cached, outcome, claim, attempt, lease)
+
+
+def _subject(attempt: Attempt, lease: Lease | None) -> str:
+    """What a warning about the attempt's conclusion names."""
+    return f"task {lease.task_id}" if lease else f"the attempt at {attempt.key!r}"
 
 
 def _committed_before_the_cut(driver: QueueDriver, attempt: Attempt) -> bool:
@@ -401,7 +407,11 @@ def _committed_before_the_cut(driver: QueueDriver, attempt: Attempt) -> bool:
 
 
 def _committed(
-    cached: CachedConnection, outcome: ScriptOutcome, claim: _NextClaim | None, subject: str
+    cached: CachedConnection,
+    outcome: ScriptOutcome,
+    claim: _NextClaim | None,
+    attempt: Attempt,
+    lease: Lease | None,
 ) -> bool:
     """Read a conclusion that committed: its claim's rows, and an error after its commit
     (the session's reset, or the claim that follows it, failed), which leaves the session
@@ -415,7 +425,12 @@ def _committed(
     if outcome.error is not None:
         # The reset's row came back when what failed was the claim after it.
         failed = "the claim of the next task" if len(outcome.rows) > 1 else "the session's reset"
-        logger.warning("%s concluded, but %s after it failed: %s", subject, failed, outcome.error)
+        logger.warning(
+            "%s concluded, but %s after it failed: %s",
+            _subject(attempt, lease),
+            failed,
+            outcome.error,
+        )
         if claim is not None:
             if claim.together:
                 if claim.rows and claim.rows[0][0] is None:

@@ -635,8 +635,9 @@ def test_a_session_reset_that_fails_after_the_commit_keeps_the_task_it_claimed(
 def test_a_failed_claim_and_reset_after_the_attempts_commit_leave_it_concluded(
     queue: LeaseQueue,
 ) -> None:
-    # No claim made with the conclusion (its row of NULLs) may mean the ack is pending too;
-    # here the commit made it, and the connection the failed reset closed is not needed.
+    # The claim with the conclusion fails (its row of NULLs), then the session's reset after
+    # the commit: the attempt still concludes, its task done, and claims nothing apart on a
+    # session it could not reset.
     refuse_to_claim_boom(queue)
     first, boom = queue.enqueue_many([{"n": 1}, {"boom": True}])
     lease = queue.claim()
