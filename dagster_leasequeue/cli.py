@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -210,27 +212,42 @@ def enqueue(
     click.echo(task_id)
 
 
-def _file_payloads(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, payload) for every non-blank line of a JSON-lines file."""
+def _file_payloads(path: Path, name: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, payload) for every non-blank line of a JSON-lines file; ``name`` is
+    the file as the user gave it, for messages."""
     with path.open(encoding="utf-8") as lines:
         try:
             for number, line in enumerate(lines, start=1):
                 if line.strip():
-                    yield number, parse_object(line, f"line {number} of {path}")
+                    yield number, parse_object(line, f"line {number} of {name}")
         except UnicodeDecodeError as exc:
-            raise click.ClickException(f"{path} is not UTF-8 text: {exc}") from None
+            raise click.ClickException(f"{name} is not UTF-8 text: {exc}") from None
 
 
-def _check_file(path: Path, max_bytes: int) -> int:
+@contextmanager
+def _readable_twice(path: Path) -> Iterator[Path]:
+    """``path``, or a copy of what it holds when it can be read only once (a pipe, a FIFO,
+    /dev/stdin): the file is read once to check it and once to enqueue it."""
+    if path.is_file():
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="leasequeue-enqueue-") as folder:
+        copy = Path(folder) / "payloads.jsonl"
+        with path.open("rb") as source, copy.open("wb") as target:
+            shutil.copyfileobj(source, target)
+        yield copy
+
+
+def _check_file(path: Path, name: Path, max_bytes: int) -> int:
     """Check every line before the first write; return how many payloads the file holds.
 
     Chunks are separate statements, so a bad line found mid-way would leave the chunks
     before it stored; the queue's own encoder does the checking.
     """
     count = 0
-    for number, payload in _file_payloads(path):
+    for number, payload in _file_payloads(path, name):
         try:
-            encode_object(payload, what=f"line {number} of {path}", max_bytes=max_bytes)
+            encode_object(payload, what=f"line {number} of {name}", max_bytes=max_bytes)
         except PayloadError as exc:
             raise click.ClickException(str(exc)) from None
         count += 1
@@ -252,10 +269,22 @@ def _enqueue_file(
     ctx: click.Context, path: Path, *, queue_name: str, priority: int, max_attempts: int | None
 ) -> None:
     queue = _open_queue(ctx)
-    total = _check_file(path, queue.settings.payload_max_bytes)
+    with _readable_twice(path) as readable:
+        _enqueue_lines(queue, readable, path, queue_name, priority, max_attempts)
+
+
+def _enqueue_lines(
+    queue: LeaseQueue,
+    path: Path,
+    name: Path,
+    queue_name: str,
+    priority: int,
+    max_attempts: int | None,
+) -> None:
+    total = _check_file(path, name, queue.settings.payload_max_bytes)
     ids: list[int] = []
-    payloads = (payload for _, payload in _file_payloads(path))
-    with click.progressbar(length=total, label=f"enqueueing {path.name}", file=sys.stderr) as bar:
+    payloads = (payload for _, payload in _file_payloads(path, name))
+    with click.progressbar(length=total, label=f"enqueueing {name.name}", file=sys.stderr) as bar:
         for chunk in _chunks(payloads, ENQUEUE_CHUNK):
             try:
                 ids += queue.enqueue_many(

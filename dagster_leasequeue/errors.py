@@ -47,9 +47,25 @@ class BatchNotFound(LeaseQueueError, LookupError):
     """No batch has the given id."""
 
 
+# The longest error text stored: a task's last_error and an attempt's error are read on
+# every look at the task, and an exception's text can be a whole response body.
+MAX_ERROR_LENGTH = 10_000
+
+
 def describe_error(error: str | BaseException) -> str:
-    """How an error is stored in a task's ``last_error`` or an attempt's ``error``."""
+    """How an error is stored in a task's ``last_error`` or an attempt's ``error``.
+
+    Whatever the text holds, it can be stored: a NUL (which PostgreSQL's text cannot hold)
+    and a lone surrogate (which has no UTF-8 form) are written as backslash escapes, so a
+    task whose exception's text carries either still fails, and is retried, as any other.
+    Text past MAX_ERROR_LENGTH characters is cut, with how much was left out.
+    """
     if isinstance(error, BaseException):
         text = str(error)
-        return f"{type(error).__name__}: {text}" if text else type(error).__name__
-    return str(error)
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    else:
+        text = str(error)
+    if len(text) > MAX_ERROR_LENGTH:
+        text = f"{text[:MAX_ERROR_LENGTH]}... ({len(text) - MAX_ERROR_LENGTH} more characters)"
+    text = text.replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -37,8 +37,20 @@ def encode_object(value: Any, *, what: str, max_bytes: int) -> str:
         text = _ENCODER.encode(value)
     except (TypeError, ValueError) as exc:
         raise PayloadError(f"{what} is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise PayloadError(
+            f"{what} is nested too deeply to encode: flatten it, or store it elsewhere and "
+            "enqueue a reference"
+        ) from None
     if not all(isinstance(key, str) for key in value):
         raise PayloadError(f"{what} keys must be strings (JSON object keys)")
+    # Only an object inside the payload can hide a key: its text has a "{" after the first.
+    if "{" in text[1:] and (key := _nested_key_not_a_string(value)) is not _NO_KEY:
+        raise PayloadError(
+            f"{what} has a nested object with the key {key!r}, which is not a string: JSON "
+            "would turn it into text silently (and 1 and '1' into one key), so make it a "
+            "string"
+        )
     if "\\u0000" in text and _ENCODED_NUL.search(text):
         raise PayloadError(f"{what} holds a NUL character (\\u0000), which PostgreSQL refuses")
     try:
@@ -55,6 +67,25 @@ def encode_object(value: Any, *, what: str, max_bytes: int) -> str:
             "(LEASEQUEUE_PAYLOAD_MAX_BYTES): store large data elsewhere and enqueue a reference"
         )
     return text
+
+
+_NO_KEY = object()
+
+
+def _nested_key_not_a_string(value: Mapping[Any, Any]) -> object:
+    """The first key of an object nested in ``value`` that is not a string, else _NO_KEY.
+    A loop, not a recursion: the encoder has already accepted the nesting's depth."""
+    pending: list[Any] = list(value.values())
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            for key in item:
+                if not isinstance(key, str):
+                    return key
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return _NO_KEY
 
 
 _DECODER = json.JSONDecoder()

@@ -65,6 +65,7 @@ from .validation import (
     check_rate,
     check_run_at,
     check_seconds,
+    check_worker_id,
     validate_schema_name,
 )
 
@@ -504,7 +505,7 @@ class LeaseQueue:
         check_count("limit", limit)
         check_seconds("wait", wait, allow_zero=True)
         queue = check_queue(queue)
-        worker = worker_id or self.default_worker_id
+        worker = check_worker_id(worker_id) or self.default_worker_id
         claims = self._driver.claims
         params = claims.params(queue, worker, check_lease_seconds(lease_seconds))
         deadline = time.monotonic() + wait
@@ -814,8 +815,13 @@ class LeaseQueue:
         key; each one left dead that way is logged.
         """
         params = {
-            "task_ids": None if task_ids is None else [int(task_id) for task_id in task_ids],
-            "queue": queue,
+            "task_ids": None
+            if task_ids is None
+            else [
+                check_id("each of task_ids", task_id)
+                for task_id in check_iterable("task_ids", task_ids, "task ids")
+            ],
+            "queue": None if queue is None else check_queue(queue),
             "batch_id": None if batch is None else check_id("batch", batch),
         }
         with self._driver.connection() as conn:
@@ -895,7 +901,11 @@ class LeaseQueue:
         target = attempt_target(key, lease)
         if lease is not None:
             lease.raise_if_lost()
-        worker = worker_id or (lease.worker_id if lease else None) or self.default_worker_id
+        worker = (
+            check_worker_id(worker_id)
+            or (lease.worker_id if lease else None)
+            or self.default_worker_id
+        )
         with (
             self._driver.lent_connection() as cached,
             run_attempt(

@@ -80,13 +80,42 @@ def check_iterable(name: str, value: Iterable[Any], of: str) -> Iterable[Any]:
     return value
 
 
+def storable(text: str) -> bool:
+    """Whether PostgreSQL can store ``text`` in a text column: no NUL character, which
+    text cannot hold, and no lone surrogate, which has no UTF-8 form."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_queue(queue: str) -> str:
-    """A queue name: not blank, at most 200 characters."""
-    if not isinstance(queue, str) or not queue.strip() or len(queue) > 200:
+    """A queue name: not blank, at most 200 characters, storable (see storable)."""
+    if not isinstance(queue, str) or not queue.strip() or len(queue) > 200 or not storable(queue):
         raise ConfigurationError(
-            f"queue must be a non-empty name of up to 200 characters, got {queue!r}"
+            "queue must be a non-empty name of up to 200 characters, without NUL or lone "
+            f"surrogates, got {_shown(queue)}"
         )
     return queue
+
+
+def check_worker_id(worker_id: str | None) -> str | None:
+    """A worker's id, stored on the tasks it claims: a non-empty string of at most
+    MAX_KEY_LENGTH characters, storable (see storable), or None for the default."""
+    if worker_id is not None and (
+        not isinstance(worker_id, str)
+        or not worker_id
+        or len(worker_id) > MAX_KEY_LENGTH
+        or not storable(worker_id)
+    ):
+        raise ConfigurationError(
+            f"worker_id must be a non-empty string of up to {MAX_KEY_LENGTH} characters "
+            f"without NUL or lone surrogates, or None, got {_shown(worker_id)}"
+        )
+    return worker_id
 
 
 def check_priority(priority: int) -> int:
@@ -97,14 +126,14 @@ def check_priority(priority: int) -> int:
 
 
 def check_key(key: str | None, name: str = "idempotency_key") -> str | None:
-    """A key (an idempotency key, an attempt's key): a non-empty string without NUL, of at
-    most MAX_KEY_LENGTH characters, or None."""
+    """A key (an idempotency key, an attempt's key): a non-empty string of at most
+    MAX_KEY_LENGTH characters, storable (see storable), or None."""
     if key is not None and (
-        not isinstance(key, str) or not key or "\x00" in key or len(key) > MAX_KEY_LENGTH
+        not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH or not storable(key)
     ):
         raise ConfigurationError(
             f"{name} must be a non-empty string of up to {MAX_KEY_LENGTH} characters without "
-            f"NUL, got {_shown(key)}"
+            f"NUL or lone surrogates, got {_shown(key)}"
         )
     return key
 

@@ -175,7 +175,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         ``wait``: seconds to wait for a task when none is due; see :meth:`LeaseQueue.claim`.
         """
         return self.get_queue().claim(
-            queue=queue or self.default_queue(),
+            queue=self.default_queue() if queue is None else queue,
             worker_id=self.worker_id(),
             lease_seconds=lease_seconds,
             wait=wait,
@@ -201,7 +201,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         return run_worker(
             self.get_queue(),
             handler,
-            queue_name=queue or self.default_queue(),
+            queue_name=self.default_queue() if queue is None else queue,
             lease_seconds=lease_seconds,
             poll_interval=poll_interval,
             max_tasks=max_tasks,
@@ -221,7 +221,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """Claim up to ``limit`` due tasks of ``queue`` (default: this resource's queue)."""
         return self.get_queue().claim_many(
             limit,
-            queue=queue or self.default_queue(),
+            queue=self.default_queue() if queue is None else queue,
             worker_id=self.worker_id(),
             lease_seconds=lease_seconds,
             wait=wait,
@@ -263,7 +263,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """Add a task; see :meth:`LeaseQueue.enqueue`."""
         return self.get_queue().enqueue(
             payload,
-            queue=queue or self.default_queue(),
+            queue=self.default_queue() if queue is None else queue,
             priority=priority,
             run_at=run_at,
             delay=delay,
@@ -285,7 +285,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """Add many tasks in one statement; see :meth:`LeaseQueue.enqueue_many`."""
         return self.get_queue().enqueue_many(
             payloads,
-            queue=queue or self.default_queue(),
+            queue=self.default_queue() if queue is None else queue,
             priority=priority,
             max_attempts=max_attempts,
             concurrency_key=concurrency_key,
@@ -328,7 +328,7 @@ class LeaseQueueResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """
         return self.get_queue().enqueue_batch(
             payloads,
-            queue=queue or self.default_queue(),
+            queue=self.default_queue() if queue is None else queue,
             name=name,
             priority=priority,
             max_attempts=max_attempts,

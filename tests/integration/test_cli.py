@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -229,6 +230,40 @@ def test_enqueue_a_file_in_chunks(cli: Invoke, queue: LeaseQueue, tmp_path: Path
     assert refused.exit_code == 1
     assert "line 2" in one_line_error(refused) and "NUL" in refused.stderr
     assert queue.stats("bad").total == 0
+
+
+def test_enqueue_a_file_that_can_be_read_only_once(
+    cli: Invoke, queue: LeaseQueue, tmp_path: Path
+) -> None:
+    """A pipe (``--file <(...)``, /dev/stdin, a FIFO) is read once: the file is checked
+    whole before the first write and read again to enqueue, which found a pipe empty and
+    enqueued nothing, or waited for ever on a FIFO."""
+    fifo = tmp_path / "tasks.fifo"
+    os.mkfifo(fifo)
+    lines = "".join(f'{{"n": {n}}}\n' for n in range(1500))
+
+    def write() -> None:
+        with fifo.open("w") as pipe:
+            pipe.write(lines)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    result = cli("enqueue", "--file", str(fifo), "--queue", "piped")
+    writer.join(timeout=10)
+    assert result.exit_code == 0, result.output
+    assert "enqueued 1500 task(s) in queue 'piped'" in result.stdout
+    assert queue.stats("piped").counts["enqueued"] == 1500
+
+    fifo.unlink()
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=write, daemon=True)
+    lines = '{"n": 1}\n[2]\n'
+    writer.start()
+    refused = cli("enqueue", "--file", str(fifo), "--queue", "refused")
+    writer.join(timeout=10)
+    assert refused.exit_code == 1
+    assert f"line 2 of {fifo}" in one_line_error(refused)
+    assert queue.stats("refused").total == 0
 
 
 # -- inspection ----------------------------------------------------------------------------

@@ -678,3 +678,14 @@ def _summary_count(queue: LeaseQueue) -> int:
     except Exception:  # the table is made by the op
         return 0
     return int(rows[0][0])
+
+
+def test_an_empty_queue_name_given_to_the_resource_is_refused(example_env: LeaseQueue) -> None:
+    """An empty name was taken for "no name", and the task went to the default queue."""
+    leasequeue = LeaseQueueResource(queue="documents")
+    example_env.enqueue({"n": 1}, queue="documents")
+    with pytest.raises(ConfigurationError, match=r"^queue must be"):
+        leasequeue.enqueue({"n": 2}, queue="")
+    with pytest.raises(ConfigurationError, match=r"^queue must be"):
+        leasequeue.claim(queue="")
+    assert example_env.stats("documents").counts["enqueued"] == 1

@@ -15,6 +15,7 @@ from dagster_leasequeue import (
     LeaseQueueSettings,
     PayloadError,
 )
+from dagster_leasequeue.errors import MAX_ERROR_LENGTH
 
 from ..helpers import run_sql
 from ..unit.test_payloads import BAD_PAYLOADS
@@ -163,3 +164,95 @@ def test_numbers_sent_to_the_server_are_checked_first(
 ) -> None:
     with pytest.raises(ConfigurationError, match=message):
         call(queue)
+
+
+@pytest.mark.parametrize(
+    ("raised", "stored"),
+    [
+        (ValueError("page 3 holds \x00"), "ValueError: page 3 holds \\x00"),
+        (ValueError("name \udcff"), "ValueError: name \\udcff"),
+    ],
+)
+def test_an_error_text_the_database_cannot_store_still_fails_the_task(
+    queue: LeaseQueue, raised: ValueError, stored: str
+) -> None:
+    """A NUL or a lone surrogate in an exception's text (decoded bytes, say) is stored
+    escaped: the task is given back with the error, by fail() and by each way of leaving
+    a lease or an attempt on an exception, and the caller's exception is the one raised."""
+    task_id = queue.enqueue({"n": 1}, max_attempts=10)
+
+    lease = queue.claim()
+    assert lease is not None
+    assert lease.fail(raised, retry_in=0) == "enqueued"
+    assert queue.get(task_id).last_error == stored
+
+    lease = queue.claim()
+    assert lease is not None
+    with pytest.raises(ValueError) as caught, lease:
+        raise raised
+    assert caught.value is raised
+    info = queue.get(task_id)
+    assert (info.status, info.last_error) == ("enqueued", stored)
+
+    run_sql(queue, "UPDATE {schema}.tasks SET run_at = now()")
+    lease = queue.claim()
+    assert lease is not None
+    with pytest.raises(ValueError) as caught, queue.attempt(lease=lease):
+        raise raised
+    assert caught.value is raised
+    info = queue.get(task_id)
+    assert (info.status, info.last_error) == ("enqueued", stored)
+    assert queue.attempts(task_id=task_id)[-1].error == stored
+
+
+def test_a_long_error_text_is_stored_cut_with_how_much_was_left_out(queue: LeaseQueue) -> None:
+    task_id = queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    lease.fail("x" * (MAX_ERROR_LENGTH + 5), retry_in=0)
+    assert queue.get(task_id).last_error == "x" * MAX_ERROR_LENGTH + "... (5 more characters)"
+
+
+@pytest.mark.parametrize("text", ["a\x00b", "a\udcffb"])
+def test_names_the_database_cannot_store_are_refused_before_anything_is_written(
+    queue: LeaseQueue, text: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=r"^queue must be"):
+        queue.enqueue({"n": 1}, queue=text)
+    with pytest.raises(ConfigurationError, match=r"^queue must be"):
+        queue.enqueue_many([{"n": i} for i in range(1_001)], queue=text)  # the COPY path
+    with pytest.raises(ConfigurationError, match=r"^idempotency_key must be"):
+        queue.enqueue({"n": 1}, idempotency_key=text)
+    with pytest.raises(ConfigurationError, match=r"^concurrency_key must be"):
+        queue.enqueue({"n": 1}, concurrency_key=text)
+    assert queue.stats().total == 0
+    queue.enqueue({"n": 1})
+    with pytest.raises(ConfigurationError, match=r"^worker_id must be"):
+        queue.claim(worker_id=text)
+    assert queue.stats().counts["enqueued"] == 1
+
+
+@pytest.mark.parametrize(
+    ("task_ids", "message"),
+    [
+        ("12", "task_ids must be an iterable of task ids"),
+        (12, "task_ids must be an iterable of task ids"),
+        ([3.9], "each of task_ids must be a whole number"),
+        ([True], "each of task_ids must be a whole number"),
+        ([0], "each of task_ids must be a whole number"),
+    ],
+)
+def test_retry_dead_refuses_ids_that_are_not_ids(
+    queue: LeaseQueue, task_ids: object, message: str
+) -> None:
+    """A string of digits was taken digit by digit, and retried other tasks."""
+    dead = [queue.enqueue({"n": i}, max_attempts=1) for i in range(3)]
+    for _ in dead:
+        lease = queue.claim()
+        assert lease is not None
+        lease.fail("broken")
+    with pytest.raises(ConfigurationError, match=message):
+        queue.retry_dead(task_ids)  # type: ignore[arg-type]
+    assert {queue.get(task_id).status for task_id in dead} == {"dead"}
+    assert queue.retry_dead([dead[1]]) == 1
+    assert [queue.get(task_id).status for task_id in dead] == ["dead", "enqueued", "dead"]

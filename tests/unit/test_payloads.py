@@ -29,6 +29,9 @@ BAD_PAYLOADS = [
     ({"x": "a\\\x00b"}, "NUL"),
     ({"x": "a\ud800b"}, "lone surrogate"),
     ({1: "int key"}, "keys must be strings"),
+    # JSON would make 1 the text "1" and keep one of the two values.
+    ({"nested": {1: "one", "1": "also one"}}, "nested object with the key 1"),
+    ({"rows": [{"id": 1}, {None: "x"}]}, "nested object with the key None"),
 ]
 
 
@@ -69,3 +72,16 @@ def test_every_json_object_encodes_to_text_that_reads_back_the_same(
     payload: dict[str, object],
 ) -> None:
     assert json.loads(encode_object(payload, what="payload", max_bytes=10**6)) == payload
+
+
+def test_a_payload_nested_past_the_encoders_depth_is_refused() -> None:
+    payload: dict[str, object] = {}
+    inner = payload
+    for _ in range(100_000):
+        inner["a"] = inner = {}
+    with pytest.raises(PayloadError, match=r"^payload is nested too deeply"):
+        encode_object(payload, what="payload", max_bytes=10**9)
+
+
+def test_text_that_only_looks_like_a_nested_object_is_taken() -> None:
+    assert encode_object({"a": "{1: 2}"}, what="payload", max_bytes=100) == '{"a":"{1: 2}"}'

@@ -12,7 +12,9 @@ from dagster_leasequeue.validation import (
     MAX_KEY_LENGTH,
     check_batch_name,
     check_key,
+    check_queue,
     check_seconds,
+    check_worker_id,
 )
 
 
@@ -39,3 +41,26 @@ def test_a_batch_name_is_refused_before_anything_is_written(name: object) -> Non
 def test_a_batch_name_may_be_none_or_any_key() -> None:
     assert check_batch_name(None) is None
     assert check_batch_name("document_batch:run-1") == "document_batch:run-1"
+
+
+# Text PostgreSQL cannot store: a NUL, and a lone surrogate (no UTF-8 form). Refused where
+# it is given, with the argument's name, instead of a database or encoding error.
+UNSTORABLE = ["a\x00b", "a\udcffb"]
+
+
+@pytest.mark.parametrize("text", UNSTORABLE)
+def test_text_the_database_cannot_store_is_refused_with_the_arguments_name(text: str) -> None:
+    with pytest.raises(ConfigurationError, match=r"^queue must be .*without NUL or lone"):
+        check_queue(text)
+    with pytest.raises(ConfigurationError, match=r"^concurrency_key must be .*lone surrogates"):
+        check_key(text, "concurrency_key")
+    with pytest.raises(ConfigurationError, match=r"^worker_id must be .*lone surrogates"):
+        check_worker_id(text)
+
+
+@pytest.mark.parametrize("worker_id", ["", 7, "w" * (MAX_KEY_LENGTH + 1)])
+def test_a_worker_id_is_a_short_non_empty_string(worker_id: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"^worker_id must be"):
+        check_worker_id(worker_id)  # type: ignore[arg-type]
+    assert check_worker_id(None) is None
+    assert check_worker_id("host:42") == "host:42"
