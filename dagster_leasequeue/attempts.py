@@ -192,7 +192,9 @@ def run_attempt(
             attempt.claimed = lease.next_lease = claim.lease(cached)
     finally:
         if not session_reset:
+            conn.bounded = True
             reset_session(conn, driver.statement(sql.RESET_SESSION))
+        conn.bounded = False
 
 
 class _NextClaim:
@@ -249,6 +251,8 @@ def _run(
         conn.autocommit = False
         try:
             yield attempt
+            # The caller's work is over: what follows is the package's own (bounded.py).
+            conn.bounded = True
             encoded = driver.encode_result(attempt.result)
             empty = conn.pgconn.transaction_status == _IDLE
             if empty:
@@ -258,6 +262,7 @@ def _run(
             script = _conclusion_script(empty, claim)
             session_reset = _conclude(cached, driver, script, attempt, lease, encoded, claim)
         except BaseException:
+            conn.bounded = True
             _rollback(conn)
             raise
         finally:

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
+from functools import partial
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -20,6 +21,7 @@ from psycopg.types import TypeInfo, TypesRegistry
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import sql
+from .bounded import wait_bounded
 from .dsn import describe, redact
 from .errors import DatabaseUnavailable, LeaseQueueError, TransactionAbandoned
 from .fastpath import FastStatements, PreparedNames, Row
@@ -29,6 +31,9 @@ from .schema import not_installed
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+# How often psycopg's wait looks up from the socket for a signal (its own default).
+_WAIT_INTERVAL = 0.1
 
 
 def connection_options(
@@ -132,6 +137,10 @@ class QueueConnection(psycopg.Connection[Any]):
 
     # Statements sent in the same simple query as the attempt's BEGIN; None outside one.
     attempt_settings: bytes | None = None
+    # Seconds a round trip may take while ``bounded`` (see bounded.py); set when opened.
+    round_trip_bound: float | None = None
+    # True while the package's own statements of the worker loop run (CachedConnection).
+    bounded = False
     # The client settings the pool opened the connection with (see remember_settings).
     opened_with: ClientSettings | None = None
     # The connection's adapters, made on first use from psycopg's global ones.
@@ -228,6 +237,14 @@ class QueueConnection(psycopg.Connection[Any]):
         super().remove_notify_handler(callback)
         self._notify_handlers_added = _without(self._notify_handlers_added, callback)
 
+    def wait(
+        self, gen: PQGen[_T], interval: float = _WAIT_INTERVAL, timeout: float | None = None
+    ) -> _T:
+        bound = self.round_trip_bound
+        if not self.bounded or bound is None or timeout is not None:
+            return super().wait(gen, interval, timeout)
+        return wait_bounded(self, super().wait, gen, interval, bound)
+
     def _start_query(self) -> PQGen[None]:
         if (
             self.attempt_settings is None
@@ -298,7 +315,7 @@ def open_pool(
         min_size=1,
         max_size=pool_size,
         kwargs=options,
-        configure=QueueConnection.remember_settings,
+        configure=partial(_configure, round_trip_bound=network_timeout),
         reset=_restore_settings,
         # How long a call waits for a connection: while the server is unreachable the pool
         # retries in the background, and a call gives up after one connect attempt and
@@ -316,6 +333,11 @@ def open_pool(
             f"cannot connect to PostgreSQL at {where} within {connect_timeout:g} s"
         ) from None
     return pool
+
+
+def _configure(conn: QueueConnection, *, round_trip_bound: float) -> None:
+    conn.round_trip_bound = round_trip_bound
+    conn.remember_settings()
 
 
 def _restore_settings(conn: QueueConnection) -> None:
@@ -377,6 +399,15 @@ class DatabaseErrors:
                 f"the database rolled this transaction back to resolve a conflict with "
                 f"another ({type(exc).__name__}); nothing in it was written, so it can be "
                 f"tried again: {redact(str(exc).strip(), self._dsn)}"
+            )
+        if isinstance(exc, pg_errors.QueryCanceled):
+            # A statement_timeout, or the bound on the worker loop's round trips (bounded.py).
+            return DatabaseUnavailable(
+                f"PostgreSQL at {describe(self._dsn)} cancelled the statement before it "
+                "finished: it waited longer than its timeout (network_timeout, for the "
+                "package's claims, acks and renewals), for a lock another session holds or "
+                "for a server that stalled; nothing in its transaction was written: "
+                f"{redact(str(exc).strip(), self._dsn)}"
             )
         if isinstance(exc, psycopg.OperationalError):
             return DatabaseUnavailable(
@@ -489,15 +520,20 @@ class CachedConnection:
 
     def _retried(self, send: Callable[[str, Any], _T], query: str, params: Any) -> _T:
         retries = CONFLICT_RETRIES
-        while True:
-            try:
-                return send(query, params)
-            except psycopg.Error as exc:
-                conflict = exc.sqlstate in _CONFLICTS
-                if not (conflict and retries and self.conn.pgconn.transaction_status == _IDLE):
-                    raise
-                retries -= 1
-                logger.info("a statement met a conflict and is sent again: %s", exc.sqlstate)
+        conn = self.conn
+        conn.bounded = True  # see bounded.py
+        try:
+            while True:
+                try:
+                    return send(query, params)
+                except psycopg.Error as exc:
+                    conflict = exc.sqlstate in _CONFLICTS
+                    if not (conflict and retries and conn.pgconn.transaction_status == _IDLE):
+                        raise
+                    retries -= 1
+                    logger.info("a statement met a conflict and is sent again: %s", exc.sqlstate)
+        finally:
+            conn.bounded = False
 
     def run_script(self, script: str, params: Params) -> ScriptOutcome:
         """Run several statements in one round trip, their values bound by the client.
@@ -512,7 +548,11 @@ class CachedConnection:
         conn = self.conn
         with conn.lock:
             conn.pgconn.send_query(query)
-            results: list[pq.abc.PGresult] = conn.wait(generators.execute(conn.pgconn))
+            conn.bounded = True  # see bounded.py
+            try:
+                results: list[pq.abc.PGresult] = conn.wait(generators.execute(conn.pgconn))
+            finally:
+                conn.bounded = False
         if self._script_loader is None:
             self._script_loader = Transformer(cursor)
         loader = self._script_loader
@@ -731,12 +771,14 @@ class SharedConnection:
     It is reopened when found closed or broken, so a restarted server costs one failed
     statement, not a stuck worker. A caller that finds it busy for longer than its
     ``wait`` (a statement stuck on a row lock or a dying network path) gets a connection
-    of its own for that one use, so one stuck statement never holds up the others.
+    of its own for that one use, so one stuck statement never holds up the others. Only
+    the package's short statements run on it: each round trip is bounded (bounded.py).
     """
 
-    def __init__(self, dsn: str, options: dict[str, Any]) -> None:
+    def __init__(self, dsn: str, options: dict[str, Any], round_trip_bound: float) -> None:
         self._dsn = dsn
         self._options = options
+        self._bound = round_trip_bound
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
 
@@ -745,13 +787,19 @@ class SharedConnection:
         if self._lock.acquire(timeout=-1 if wait is None else wait):
             try:
                 if self._conn is None or self._conn.closed or self._conn.broken:
-                    self._conn = psycopg.connect(self._dsn, **self._options)
+                    self._conn = self._connect()
                 yield self._conn
             finally:
                 self._lock.release()
             return
-        with psycopg.connect(self._dsn, **self._options) as conn:
+        with self._connect() as conn:
             yield conn
+
+    def _connect(self) -> QueueConnection:
+        conn = QueueConnection.connect(self._dsn, **self._options)
+        conn.round_trip_bound = self._bound
+        conn.bounded = True
+        return conn
 
     def close(self) -> None:
         with self._lock:

@@ -57,7 +57,7 @@ class QueueDriver:
         self.errors = DatabaseErrors(dsn, schema)
         # Renewals have a connection of their own: a worker whose pooled connections are
         # all busy (an attempt holds one) must still keep its leases.
-        self._renewals = SharedConnection(dsn, self.options)
+        self._renewals = SharedConnection(dsn, self.options, settings.network_timeout_seconds())
         self._closed = threading.Event()
         self.claims = Claims(self)
 
