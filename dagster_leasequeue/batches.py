@@ -193,7 +193,8 @@ def wait_batch(
     since a notification can be missed (a connection that dropped, PgBouncer).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    mark = listener.listen()  # before reading: a finish after the read still wakes us
+    # Before reading: a finish after the read still wakes us.
+    mark = listener.listen(poll_interval if timeout is None else min(timeout, poll_interval))
     while True:
         info = batch_info(driver, batch_id)
         if info.finished:

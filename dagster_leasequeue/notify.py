@@ -60,14 +60,19 @@ class Listener:
         self._last_used = 0.0  # time.monotonic() at the end of the last listen or wait
         self._closer: threading.Thread | None = None
 
-    def listen(self) -> int:
+    def listen(self, timeout: float | None = None) -> int:
         """Make sure the connection listens, read what is pending, and return a mark.
 
         Call it before a claim statement: what is pending now is older than that claim,
         which sees its tasks, so reading it here keeps it from waking the wait that follows
-        (after a long task, many may be pending).
+        (after a long task, many may be pending). A thread that finds the listener busy
+        for ``timeout`` seconds (another thread's wait, which may last a batch's whole poll
+        interval) takes the mark as it stands: that thread's connection listens, and what
+        it reads moves the count for every thread.
         """
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return self._received
+        try:
             try:
                 self._drain(self._ensure())
             except psycopg.OperationalError:
@@ -76,6 +81,8 @@ class Listener:
                 self._ensure()
             self._last_used = time.monotonic()
             return self._received
+        finally:
+            self._lock.release()
 
     def wait(self, timeout: float, mark: int) -> int:
         """Wait up to ``timeout`` seconds for a notification not counted in ``mark``.

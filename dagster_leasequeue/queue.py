@@ -511,7 +511,7 @@ class LeaseQueue:
         deadline = time.monotonic() + wait
         if wait:
             with self._driver.errors:
-                mark = self._listener.listen()
+                mark = self._listener.listen(wait)
         while True:
             sent = time.monotonic()
             with self._driver.statements() as conn:

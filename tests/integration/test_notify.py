@@ -175,3 +175,27 @@ def test_close_stops_the_idle_timer(make_queue: Callable[..., LeaseQueue]) -> No
 
 def _idle_threads(schema: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"leasequeue-listener-{schema}"]
+
+
+def test_a_waiting_claim_is_not_held_up_by_another_threads_long_wait(
+    make_queue: Callable[..., LeaseQueue],
+) -> None:
+    """The listener is shared by the queue's threads: one waiting for a batch with a long
+    poll interval held it for that long, and a claim(wait=0.5) in another thread waited
+    for its turn just to start listening."""
+    queue = make_queue()
+    queue.install()
+    batch = queue.enqueue_batch([{"n": 1}], queue="batched")
+    waiter = threading.Thread(
+        target=queue.wait_batch, args=(batch.id,), kwargs={"timeout": 6, "poll_interval": 6}
+    )
+    waiter.start()
+    time.sleep(0.3)  # the waiter now holds the listener for its wait
+    started = time.monotonic()
+    assert queue.claim(queue="empty", wait=0.5) is None
+    elapsed = time.monotonic() - started
+    lease = queue.claim(queue="batched")
+    assert lease is not None
+    lease.ack()
+    waiter.join(timeout=10)
+    assert elapsed < 2.0, f"claim(wait=0.5) returned after {elapsed:.2f} s"
