@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from typing import Any
 
 import psycopg
+from psycopg import errors as pg_errors
 
 from . import migrations, sql
-from .errors import ConfigurationError, SchemaNotInstalled
+from .errors import ConfigurationError, LeaseQueueError, SchemaNotInstalled
+
+logger = logging.getLogger(__name__)
+
+# A migration that waits for a lock on a table holds every statement of the workers up
+# behind it (PostgreSQL queues lock requests in order): behind a long read of the tasks,
+# a migration that alters them would stop the whole queue until that read ends. So each
+# try at a migration's locks gives up after MIGRATION_LOCK_TIMEOUT, undoes itself, and
+# tries again after a pause, for up to MIGRATION_DEADLINE_SECONDS; then install() raises.
+MIGRATION_LOCK_TIMEOUT = "2s"
+MIGRATION_DEADLINE_SECONDS = 300.0
 
 
 def installed_version(conn: psycopg.Connection[Any], schema: str) -> int:
@@ -43,14 +56,38 @@ def install(conn: psycopg.Connection[Any], schema: str) -> int:
         if pending[0].concurrently and not fresh:
             applied += _apply_concurrently(conn, schema, pending[0])
         else:
-            applied += _apply_in_transaction(conn, schema, fresh)
+            applied += _apply_when_unlocked(conn, schema, fresh)
         current = installed_version(conn, schema)
+
+
+def _apply_when_unlocked(conn: psycopg.Connection[Any], schema: str, fresh: bool) -> int:
+    """_apply_in_transaction, tried again while the locks it needs are held elsewhere."""
+    deadline = time.monotonic() + MIGRATION_DEADLINE_SECONDS
+    pause = 0.5
+    while True:
+        try:
+            return _apply_in_transaction(conn, schema, fresh)
+        except pg_errors.LockNotAvailable as exc:
+            if time.monotonic() + pause > deadline:
+                raise LeaseQueueError(
+                    f"install() could not take the locks its migrations need on schema "
+                    f"{schema!r} within {MIGRATION_DEADLINE_SECONDS:g} s: other sessions "
+                    "hold them (long queries or open transactions on the queue's tables, or "
+                    "another install(): see pg_stat_activity). The schema stays at version "
+                    f"{installed_version(conn, schema)}; call install() again at a quieter "
+                    "moment"
+                ) from exc
+            logger.info("install() found a lock held on schema %r; trying again", schema)
+            time.sleep(pause)
+            pause = min(pause * 2, 5.0)
 
 
 def _apply_in_transaction(conn: psycopg.Connection[Any], schema: str, fresh: bool) -> int:
     """Apply, in one transaction, the pending migrations up to one to run concurrently."""
     applied = 0
     with conn.transaction():
+        # SET LOCAL: it ends with the transaction (PgBouncer hands the session on).
+        conn.execute(f"SET LOCAL lock_timeout = '{MIGRATION_LOCK_TIMEOUT}'")
         conn.execute(sql.ADVISORY_XACT_LOCK, {"namespace": sql.INSTALL_LOCK, "schema": schema})
         conn.execute(sql.compose(sql.CREATE_SCHEMA, schema))
         conn.execute(sql.compose(sql.CREATE_VERSION_TABLE, schema))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -11,9 +12,11 @@ import pytest
 from dagster_leasequeue import (
     ConfigurationError,
     LeaseQueue,
+    LeaseQueueError,
     SchemaNotInstalled,
     TaskNotFound,
     migrations,
+    schema as schema_module,
 )
 from dagster_leasequeue.models import LIVE
 
@@ -331,6 +334,50 @@ def test_a_database_at_an_older_version_is_migrated(make_queue) -> None:  # type
         {"t": f'"{queue.schema}".tasks'},
     )[0][0]
     assert "autovacuum_vacuum_scale_factor=0.02" in options
+
+
+def test_a_migration_behind_a_long_read_gives_way_and_tries_again(
+    make_queue,
+    dsn: str,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """A migration that must lock the tasks (migration 17 locks them exclusively) waited
+    without end behind a long read of them, and every write to the tasks queued behind
+    it: the whole queue stopped. Each try now gives up after a short lock timeout, lets
+    the writes through, and tries again; past its deadline install() says why."""
+    monkeypatch.setattr(schema_module, "MIGRATION_LOCK_TIMEOUT", "300ms", raising=False)
+    monkeypatch.setattr(schema_module, "MIGRATION_DEADLINE_SECONDS", 2.0, raising=False)
+    queue = make_queue()
+    install_as_of(queue, 16)
+    tasks = f'"{queue.schema}".tasks'
+    with psycopg.connect(dsn) as reader, psycopg.connect(dsn, autocommit=True) as writer:
+        reader.execute(f"SELECT count(*) FROM {tasks}")  # its lock lasts to its commit
+        longest = 0.0
+
+        def write_meanwhile() -> None:
+            nonlocal longest
+            while not done.is_set():
+                started = time.monotonic()
+                writer.execute(f"UPDATE {tasks} SET priority = 0 WHERE id = -1")
+                longest = max(longest, time.monotonic() - started)
+                time.sleep(0.05)
+
+        done = threading.Event()
+        writes = threading.Thread(target=write_meanwhile, daemon=True)
+        writes.start()
+        try:
+            with pytest.raises(LeaseQueueError, match="could not take the locks") as raised:
+                queue.install()
+        finally:
+            done.set()
+            writes.join(timeout=10)
+        assert "stays at version 16" in str(raised.value)
+        assert queue.installed_version() == 16
+        # Each try held the writes up for its lock timeout at most, not for the read.
+        assert longest < 1.5, f"a write waited {longest:.2f} s behind the migration"
+        reader.rollback()
+    assert queue.install() == migrations.LATEST_VERSION - 16
+    assert queue.installed_version() == migrations.LATEST_VERSION
 
 
 def test_a_waiting_claim_wakes_on_enqueue(queue: LeaseQueue) -> None:
