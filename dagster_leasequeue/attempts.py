@@ -191,10 +191,12 @@ def run_attempt(
         if claim is not None and claim.succeeded and lease is not None:
             attempt.claimed = lease.next_lease = claim.lease(cached)
     finally:
-        if not session_reset:
-            conn.bounded = True
-            reset_session(conn, driver.statement(sql.RESET_SESSION))
-        conn.bounded = False
+        try:
+            if not session_reset:
+                conn.bounded = True
+                reset_session(conn, driver.statement(sql.RESET_SESSION))
+        finally:
+            conn.bounded = False
 
 
 class _NextClaim:

@@ -64,9 +64,16 @@ def wait_bounded(
     )
     try:
         conn.cancel_safe(timeout=bound)
-        return wait(gen, interval, bound)
-    except (_EXPIRED, psycopg.Error):
-        conn.pgconn.finish()
+    except psycopg.Error:
+        pass  # the cancel got no answer either (a timeout, a refused connection)
+    else:
+        try:
+            # The statement's own outcome: the server's error (QueryCanceled) raised by
+            # the generator of a cursor, or returned as a result by the package's own.
+            return wait(gen, interval, bound)
+        except _EXPIRED:
+            pass
+    conn.pgconn.finish()
     raise NoAnswer(
         f"no answer from the server within {bound:g} s (network_timeout), nor to the cancel "
         "that followed: the connection was closed, and whether the statement took effect "

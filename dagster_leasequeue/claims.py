@@ -90,7 +90,7 @@ class Claims:
         many = "task_ids" in acks
         leases = len(acks["task_ids"]) if many else 1
         if self._is_controlled(queue):
-            with conn.conn.transaction():
+            with conn.conn.bounded_round_trips(), conn.conn.transaction():
                 acked = self._ack(conn, acks, many)
                 if len(acked) < leases:
                     return acked, []

@@ -237,6 +237,15 @@ class QueueConnection(psycopg.Connection[Any]):
         super().remove_notify_handler(callback)
         self._notify_handlers_added = _without(self._notify_handlers_added, callback)
 
+    @contextmanager
+    def bounded_round_trips(self) -> Iterator[None]:
+        """Bound every round trip in the block (bounded.py): the package's own statements."""
+        bounded, self.bounded = self.bounded, True
+        try:
+            yield
+        finally:
+            self.bounded = bounded
+
     def wait(
         self, gen: PQGen[_T], interval: float = _WAIT_INTERVAL, timeout: float | None = None
     ) -> _T:
@@ -315,7 +324,7 @@ def open_pool(
         min_size=1,
         max_size=pool_size,
         kwargs=options,
-        configure=partial(_configure, round_trip_bound=network_timeout),
+        configure=partial(_configure, round_trip_bound=round_trip_bound(network_timeout)),
         reset=_restore_settings,
         # How long a call waits for a connection: while the server is unreachable the pool
         # retries in the background, and a call gives up after one connect attempt and
@@ -333,6 +342,13 @@ def open_pool(
             f"cannot connect to PostgreSQL at {where} within {connect_timeout:g} s"
         ) from None
     return pool
+
+
+def round_trip_bound(network_timeout: float) -> float:
+    """The bound of the worker loop's round trips (bounded.py): the network timeout, and at
+    least a second, as libpq's TCP settings are (a lease under a second would cut short a
+    large claim_many)."""
+    return max(1.0, network_timeout)
 
 
 def _configure(conn: QueueConnection, *, round_trip_bound: float) -> None:
@@ -521,7 +537,7 @@ class CachedConnection:
     def _retried(self, send: Callable[[str, Any], _T], query: str, params: Any) -> _T:
         retries = CONFLICT_RETRIES
         conn = self.conn
-        conn.bounded = True  # see bounded.py
+        bounded, conn.bounded = conn.bounded, True  # see bounded.py
         try:
             while True:
                 try:
@@ -533,7 +549,7 @@ class CachedConnection:
                     retries -= 1
                     logger.info("a statement met a conflict and is sent again: %s", exc.sqlstate)
         finally:
-            conn.bounded = False
+            conn.bounded = bounded
 
     def run_script(self, script: str, params: Params) -> ScriptOutcome:
         """Run several statements in one round trip, their values bound by the client.
@@ -548,11 +564,11 @@ class CachedConnection:
         conn = self.conn
         with conn.lock:
             conn.pgconn.send_query(query)
-            conn.bounded = True  # see bounded.py
+            bounded, conn.bounded = conn.bounded, True  # see bounded.py
             try:
                 results: list[pq.abc.PGresult] = conn.wait(generators.execute(conn.pgconn))
             finally:
-                conn.bounded = False
+                conn.bounded = bounded
         if self._script_loader is None:
             self._script_loader = Transformer(cursor)
         loader = self._script_loader

@@ -29,6 +29,7 @@ from .connection import (
     SharedConnection,
     connection_options,
     open_pool,
+    round_trip_bound,
 )
 from .payloads import encode_object
 from .settings import LeaseQueueSettings
@@ -57,7 +58,9 @@ class QueueDriver:
         self.errors = DatabaseErrors(dsn, schema)
         # Renewals have a connection of their own: a worker whose pooled connections are
         # all busy (an attempt holds one) must still keep its leases.
-        self._renewals = SharedConnection(dsn, self.options, settings.network_timeout_seconds())
+        self._renewals = SharedConnection(
+            dsn, self.options, round_trip_bound(settings.network_timeout_seconds())
+        )
         self._closed = threading.Event()
         self.claims = Claims(self)
 
@@ -89,6 +92,7 @@ class QueueDriver:
         """A kept connection lent to caller code; it is handed back as it was opened."""
         with self.errors:
             cached = self._connections.acquire()
+        cached.conn.bounded = False  # the caller's statements are never bounded
         try:
             yield cached
         finally:

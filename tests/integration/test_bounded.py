@@ -10,6 +10,7 @@ is written twice, and the task is still there for the next try.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -20,7 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dagster_leasequeue import DatabaseUnavailable, LeaseQueue, LeaseQueueSettings
+from dagster_leasequeue import DatabaseUnavailable, LeaseQueue, LeaseQueueSettings, attempts
 
 from ..helpers import run_sql, wait_for_a_lock_waiter
 from ..own_server import OwnServer
@@ -62,13 +63,14 @@ def test_an_ack_held_up_by_a_row_lock_gives_up_and_the_lease_stays(
     lease = bounded.claim()
     assert lease is not None
     with row_locked(dsn, schema_name, task_id):
-        took, error = timed(lease.ack)
-        assert isinstance(error, DatabaseUnavailable), error
-        assert "cancelled the statement" in str(error)
-        assert took < WITHIN
-        took, error = timed(lease.renew)
-        assert isinstance(error, DatabaseUnavailable), error
-        assert took < WITHIN
+        # The ack on the fast path; the others through cursors (release and fail on the
+        # pool's connections, renew on the renewals' own): each cancelled, not cut off.
+        release, fail = (lambda: lease.release(delay=0)), (lambda: lease.fail("x"))
+        for call in (lease.ack, lease.renew, release, fail):
+            took, error = timed(call)
+            assert isinstance(error, DatabaseUnavailable), error
+            assert "cancelled the statement" in str(error)
+            assert took < WITHIN
     assert bounded.get(task_id).status == "processing"
     lease.ack()  # the lease was never lost: the ack goes through once the lock is gone
     assert bounded.get(task_id).status == "done"
@@ -164,8 +166,24 @@ def own_queue(server: OwnServer, tmp_path: Path) -> LeaseQueue:
     return queue
 
 
+def wait_until_commits_wait(dsn: str) -> None:
+    """Until a commit waits for the standby: the checkpointer takes a reloaded setting in
+    its own time. A probe's commit that waits is released by a cancel, with a warning (a
+    statement timeout ends before the commit)."""
+    warnings: list[str] = []
+    deadline = time.monotonic() + 10
+    with psycopg.connect(dsn, autocommit=True) as probe:
+        probe.add_notice_handler(lambda notice: warnings.append(notice.message_primary or ""))
+        while not any("synchronous replication" in text for text in warnings):
+            assert time.monotonic() < deadline, "commits never came to wait for the standby"
+            canceller = threading.Timer(0.3, probe.cancel_safe)
+            canceller.start()
+            probe.execute("DROP TABLE IF EXISTS probe; CREATE TABLE probe ()")  # WAL to flush
+            canceller.join()
+
+
 def test_a_commit_waiting_for_a_missing_standby_is_released(
-    own_server: OwnServer, tmp_path: Path
+    own_server: OwnServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With synchronous_standby_names naming a standby that is not there, every commit
     waits for it: the ack's wait is cancelled, and the ack, committed on this server, is
@@ -178,9 +196,12 @@ def test_a_commit_waiting_for_a_missing_standby_is_released(
         with psycopg.connect(own_server.dsn, autocommit=True) as admin:
             admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'gone'")
             admin.execute("SELECT pg_reload_conf()")
-        took, error = timed(lease.ack)
+        wait_until_commits_wait(own_server.dsn)
+        with caplog.at_level(logging.WARNING, logger="dagster_leasequeue.bounded"):
+            took, error = timed(lease.ack)
         assert error is None, error
         assert took < WITHIN
+        assert "cancelling it" in caplog.text  # the ack's commit did wait, and was released
         assert queue.get(task_id).status == "done"
     finally:
         with psycopg.connect(own_server.dsn, autocommit=True) as admin:
@@ -201,6 +222,12 @@ def server_processes(server: OwnServer) -> list[int]:
     return [postmaster, *children]
 
 
+def signal_all(processes: list[int], signal_number: int) -> None:
+    for pid in processes:
+        with contextlib.suppress(ProcessLookupError):  # a worker that ended meanwhile
+            os.kill(pid, signal_number)
+
+
 def test_a_stopped_server_costs_a_bounded_wait_and_the_connection(
     own_server: OwnServer, tmp_path: Path
 ) -> None:
@@ -213,13 +240,11 @@ def test_a_stopped_server_costs_a_bounded_wait_and_the_connection(
         lease = queue.claim()
         assert lease is not None
         processes = server_processes(own_server)
-        for pid in processes:
-            os.kill(pid, signal.SIGSTOP)
         try:
+            signal_all(processes, signal.SIGSTOP)
             took, error = timed(lease.ack)
         finally:
-            for pid in processes:
-                os.kill(pid, signal.SIGCONT)
+            signal_all(processes, signal.SIGCONT)
         assert isinstance(error, DatabaseUnavailable), error
         assert "nor to the cancel" in str(error)
         assert took < WITHIN + 2 * BOUND
@@ -227,3 +252,26 @@ def test_a_stopped_server_costs_a_bounded_wait_and_the_connection(
         assert queue.get(task_id).status == "done"
     finally:
         queue.close()
+
+
+def test_an_interrupted_attempt_leaves_no_bound_on_the_next_caller(
+    bounded: LeaseQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while an attempt's session was reset must not leave the package's bound
+    on the connection the next caller borrows: the caller's own statements may run long."""
+    task_id = bounded.enqueue({"n": 1})
+    lease = bounded.claim()
+    assert lease is not None
+    reset = attempts.reset_session
+
+    def reset_then_interrupt(*args: object) -> None:
+        reset(*args)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attempts, "reset_session", reset_then_interrupt)
+    with pytest.raises(KeyboardInterrupt), bounded.attempt(lease=lease):
+        raise RuntimeError("the work failed")
+    monkeypatch.undo()
+    with bounded.connection() as conn:
+        conn.execute("SELECT pg_sleep(%s)", (BOUND + 0.5,))
+    assert bounded.get(task_id).status == "enqueued"
