@@ -323,7 +323,7 @@ def test_a_lease_that_cannot_be_renewed_lapses(queue: LeaseQueue) -> None:
     lease = claim_one(queue, lease_seconds=0.6)
     # The database becomes unreachable for renewals only.
     queue._driver._renewals = SharedConnection(
-        "postgresql://127.0.0.1:1/none", {"connect_timeout": 2}
+        "postgresql://127.0.0.1:1/none", {"connect_timeout": 2}, round_trip_bound=1.0
     )
     with pytest.raises(LeaseLost), lease:
         deadline = time.monotonic() + 10

@@ -31,6 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     # pgserver: where its PostgreSQL binaries are (pg_ctl, to stop a server it started),
     # and the lock it takes to start one, which stopping must take too.
     "embedded.py": {"_commands", "_lock"},
+    # psycopg names the expiry of its wait's timeout only by this class (3.3.6 and later).
+    "bounded.py": {"_WaitTimeout"},
 }
 
 
