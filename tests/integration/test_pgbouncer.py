@@ -522,3 +522,26 @@ def test_the_worker_loops_statements_too_need_prepared_statements_off_before_1_2
             lease = queue.claim()
             assert lease is not None
             assert lease.ack_and_claim() is not None
+
+
+def test_a_statement_held_up_by_a_lock_is_cancelled_through_pgbouncer(
+    make_queue: Callable[..., LeaseQueue], dsn: str, installed: str
+) -> None:
+    """The bound on the worker loop's round trips (bounded.py) cancels through PgBouncer,
+    which passes the cancel on to the server connection that runs the statement: the
+    ack raises within its bound, the client connection stays usable, and nothing else on
+    the server connection is cancelled."""
+    queue = make_queue(network_timeout=1)
+    task_id = queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    with psycopg.connect(dsn) as holder:
+        holder.execute(f"SELECT 1 FROM {installed}.tasks WHERE id = %s FOR UPDATE", (task_id,))
+        started = time.monotonic()
+        with pytest.raises(LeaseQueueError, match="cancelled the statement"):
+            lease.ack()
+        assert time.monotonic() - started < 4
+        holder.rollback()
+    lease.ack()
+    assert queue.get(task_id).status == "done"
+    assert queue.enqueue({"n": 2}) > task_id
