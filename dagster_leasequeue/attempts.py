@@ -191,12 +191,9 @@ def run_attempt(
         if claim is not None and claim.succeeded and lease is not None:
             attempt.claimed = lease.next_lease = claim.lease(cached)
     finally:
-        try:
-            if not session_reset:
-                conn.bounded = True
-                reset_session(conn, driver.statement(sql.RESET_SESSION))
-        finally:
-            conn.bounded = False
+        if not session_reset:
+            conn.bounded = True  # cleared when the loan ends (QueueDriver.lent_connection)
+            reset_session(conn, driver.statement(sql.RESET_SESSION))
 
 
 class _NextClaim:

@@ -7,7 +7,7 @@ open in psql), a commit waiting for a synchronous standby that is gone, a server
 stopped running. A bounded round trip that outlives its bound is cancelled, as psycopg
 cancels one on Ctrl-C; a server that answers neither the statement nor the cancel within
 the bound again has the connection closed under it. Either way the call returns or raises
-within about twice the bound.
+within three times the bound (the wait, the cancel, the wait for the cancel's effect).
 
 Bounded: what the worker loop sends through CachedConnection (claims, acks, fails,
 releases, an attempt's start and conclusion) and renewals, statements that take

@@ -537,7 +537,8 @@ class CachedConnection:
     def _retried(self, send: Callable[[str, Any], _T], query: str, params: Any) -> _T:
         retries = CONFLICT_RETRIES
         conn = self.conn
-        bounded, conn.bounded = conn.bounded, True  # see bounded.py
+        # bounded_round_trips() inline: this runs for every claim and ack.
+        bounded, conn.bounded = conn.bounded, True
         try:
             while True:
                 try:
@@ -564,11 +565,8 @@ class CachedConnection:
         conn = self.conn
         with conn.lock:
             conn.pgconn.send_query(query)
-            bounded, conn.bounded = conn.bounded, True  # see bounded.py
-            try:
+            with conn.bounded_round_trips():
                 results: list[pq.abc.PGresult] = conn.wait(generators.execute(conn.pgconn))
-            finally:
-                conn.bounded = bounded
         if self._script_loader is None:
             self._script_loader = Transformer(cursor)
         loader = self._script_loader

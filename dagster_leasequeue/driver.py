@@ -92,10 +92,12 @@ class QueueDriver:
         """A kept connection lent to caller code; it is handed back as it was opened."""
         with self.errors:
             cached = self._connections.acquire()
-        cached.conn.bounded = False  # the caller's statements are never bounded
         try:
             yield cached
         finally:
+            # Whatever the loan ended with (an interrupt mid-way through an attempt's own
+            # statements), the next borrower's statements are not bounded (bounded.py).
+            cached.conn.bounded = False
             self._connections.release(cached)
 
     @contextmanager

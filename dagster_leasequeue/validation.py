@@ -105,17 +105,7 @@ def check_queue(queue: str) -> str:
 def check_worker_id(worker_id: str | None) -> str | None:
     """A worker's id, stored on the tasks it claims: a non-empty string of at most
     MAX_KEY_LENGTH characters, storable (see storable), or None for the default."""
-    if worker_id is not None and (
-        not isinstance(worker_id, str)
-        or not worker_id
-        or len(worker_id) > MAX_KEY_LENGTH
-        or not storable(worker_id)
-    ):
-        raise ConfigurationError(
-            f"worker_id must be a non-empty string of up to {MAX_KEY_LENGTH} characters "
-            f"without NUL or lone surrogates, or None, got {_shown(worker_id)}"
-        )
-    return worker_id
+    return check_key(worker_id, "worker_id")
 
 
 def check_priority(priority: int) -> int:
