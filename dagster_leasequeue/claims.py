@@ -108,7 +108,12 @@ class Claims:
                     _no_claim_after_acks(queue, exc)
                     return acked, []
         statement = sql.compose_ack_and_claim(schema, limit, many=many, keyless=keyless)
-        rows = conn.rows(statement, {**params, **acks})
+        try:
+            rows = conn.rows(statement, {**params, **acks})
+        except psycopg.Error as exc:
+            if exc.sqlstate != sql.LEASE_GONE:
+                raise
+            return set(), []  # the fence failed, and the claim was undone with it
         acked = {int(row[0]) for row in rows if row[1] is None}
         claimed = [row for row in rows if row[1] is not None]
         if claimed or len(acked) < leases:

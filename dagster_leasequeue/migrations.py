@@ -1419,6 +1419,23 @@ _COUNT_BATCH_TASK_V24 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
         END IF;
 {_LAST_TASK_THEN_PROBE}"""
 
+# Migration 25: the keyless ack and claim as one UPDATE (sql.ACK_KEYLESS_AND_CLAIM), whose
+# fence is checked row by row beside the claim: when the acked row is not among those the
+# statement moved, this raises, and the claim is undone with the statement. A function,
+# because plain SQL has no RAISE; it touches nothing, so every role may call it.
+_LEASE_GONE = (
+    """
+    CREATE FUNCTION {schema}.lease_gone(p_task_id bigint, p_token bigint) RETURNS boolean
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        RAISE EXCEPTION 'the lease on task % under token % is gone', p_task_id, p_token
+            USING ERRCODE = 'LQ001';
+    END
+    $$
+    """,
+    "GRANT EXECUTE ON FUNCTION {schema}.lease_gone(bigint, bigint) TO PUBLIC",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -1775,6 +1792,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         24,
         "a batch's finish under SERIALIZABLE counts and reads nothing for the batch's end",
         (_COUNT_BATCH_TASK_V24,),
+    ),
+    Migration(
+        25,
+        "the keyless ack and claim in one update, a failed fence raised by lease_gone()",
+        _LEASE_GONE,
     ),
 )
 

@@ -70,6 +70,55 @@ def test_a_zombie_whose_lease_was_swept_gets_lease_lost_and_claims_nothing(
     assert not zombie.finished
 
 
+def test_a_zombie_whose_lease_is_taken_while_its_statement_waits_claims_nothing(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # The ack and the claim are one UPDATE: the acked row's fence is checked when its row
+    # is reached, here after the claim's row was moved. The statement must undo the claim.
+    stuck = queue.enqueue({"n": 1})
+    waiting = queue.enqueue({"n": 2})
+    zombie = queue.claim(worker_id="zombie")
+    assert zombie is not None and zombie.task_id == stuck
+
+    def conclude() -> BaseException | None:
+        try:
+            zombie.ack_and_claim()
+        except LeaseLost as exc:
+            return exc
+        return None
+
+    tasks = f'"{queue.schema}".tasks'
+    with psycopg.connect(dsn) as sweeper:
+        # A recovery of the task, not yet committed: the zombie's statement waits for it.
+        sweeper.execute(
+            f"UPDATE {tasks} SET status = 'enqueued', lease_token = NULL,"
+            " lease_expires_at = NULL WHERE id = %s",
+            (stuck,),
+        )
+        finish = start_blocked(dsn, queue.schema, conclude)
+    assert isinstance(finish(), LeaseLost)
+    assert queue.get(waiting).status == "enqueued"
+    assert queue.get(stuck).status == "enqueued"
+    # Both tasks are there for the next claimer, under new tokens.
+    taken = [queue.claim(worker_id="next"), queue.claim(worker_id="next")]
+    assert sorted(lease.task_id for lease in taken if lease) == [stuck, waiting]
+
+
+def test_a_batch_drained_by_ack_and_claim_counts_each_task_once(queue: LeaseQueue) -> None:
+    # Each statement sets finished_at on the row it claims too (to what it was): the batch
+    # trigger looks at the claimed task and counts nothing for it.
+    batch = queue.enqueue_batch(({"n": n} for n in range(30)), queue="docs")
+    lease = queue.claim(queue="docs")
+    drained = 0
+    while lease is not None:
+        assert queue.batch(batch.id).processing == 1
+        drained += 1
+        lease = lease.ack_and_claim({"n": drained})
+    info = queue.wait_batch(batch.id, timeout=10)
+    assert (drained, info.done, info.enqueued, info.processing) == (30, 30, 0, 0)
+    assert info.finished
+
+
 def test_ack_and_claim_holds_a_concurrency_limit_and_frees_its_slot_for_the_next(
     queue: LeaseQueue,
 ) -> None:

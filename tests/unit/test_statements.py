@@ -34,6 +34,10 @@ def test_every_fenced_statement_has_the_fence_whole() -> None:
         .replace("%(token)s", "a.token")
     )
     assert f"WHERE {per_row}" in _flat(sql.ACK_MANY)
+    # The keyless ack and claim moves two rows: the claimed one, and the acked one under
+    # the fence.
+    keyless = "AND (t.id <> %(task_id)s OR (" + sql.FENCE + "))"
+    assert keyless in _flat(sql.ACK_KEYLESS_AND_CLAIM)
     conclusion = sql.FENCE.replace("%(task_id)s", "p_task_id").replace("%(token)s", "p_token")
     (function,) = migrations.MIGRATIONS[3].statements
     assert f"WHERE {conclusion}" in _flat(function)
@@ -123,8 +127,15 @@ def test_the_columns_the_hot_paths_read_by_position() -> None:
     # leases_from_rows: a plain claim's rows end with the task's concurrency key, which
     # picks the statement of its lease's ack_and_claim.
     assert _returned(sql.CLAIM_ONE)[11] == "t.concurrency_key"
-    for statement in (sql.CLAIM_MANY, sql.ACK_AND_CLAIM, sql.ACK_KEYLESS_AND_CLAIM):
+    for statement in (sql.CLAIM_MANY, sql.ACK_AND_CLAIM):
         assert _flat(statement).endswith("next_token_in, concurrency_key FROM claimed")
+    # The keyless ack and claim moves both rows in one UPDATE, which returns what a claim
+    # returns; the acked row comes back with a NULL payload, as the other statements'.
+    keyless = sql.ACK_KEYLESS_AND_CLAIM
+    moved = keyless[: keyless.index("SELECT id, CASE")]
+    assert _returned(moved) == [*_returned(_leased(sql.CLAIM_MANY)), "t.concurrency_key )"]
+    assert "SELECT id, CASE WHEN id <> %(task_id)s THEN payload END, priority," in _flat(keyless)
+    assert "next_token_in, concurrency_key FROM moved WHERE" in _flat(keyless)
     assert _returned(sql.FAIL) == ["status", "run_at"]
     assert _returned(sql.RENEW) == ["lease_expires_at"]
     # run_attempt reads the start record's id, number, duplicate flag, earlier result and
