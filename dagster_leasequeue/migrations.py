@@ -1422,11 +1422,13 @@ _COUNT_BATCH_TASK_V24 = f"""{_REPLACE_COUNT_BATCH_TASK}        v_last bigint;
 # Migration 25: the keyless ack and claim as one UPDATE (sql.ACK_KEYLESS_AND_CLAIM), whose
 # fence is checked row by row beside the claim: when the acked row is not among those the
 # statement moved, this raises, and the claim is undone with the statement. A function,
-# because plain SQL has no RAISE; it touches nothing, so every role may call it.
+# because plain SQL has no RAISE; it touches nothing, so every role may call it. VOLATILE,
+# so the planner neither folds the call at planning (every statement would raise) nor
+# makes it a one-time filter evaluated before the rows are known.
 _LEASE_GONE = (
     """
     CREATE FUNCTION {schema}.lease_gone(p_task_id bigint, p_token bigint) RETURNS boolean
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql VOLATILE AS $$
     BEGIN
         RAISE EXCEPTION 'the lease on task % under token % is gone', p_task_id, p_token
             USING ERRCODE = 'LQ001';

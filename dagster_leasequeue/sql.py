@@ -544,9 +544,11 @@ ACK_AND_CLAIM = _ACK_THEN_LEASE + _ACKED_THEN_CLAIMED.replace("{finished}", "")
 # is reached, beside the claim's. A zombie's statement would claim; so when the acked
 # row is not among those moved, lease_gone() (migration 25) raises LEASE_GONE, and the
 # claim is undone with the statement. Called only then: a CASE runs no branch it does
-# not take. The picked row is never the acked one: it was enqueued in the statement's
-# snapshot, and the acked row's fence needs it processing under the holder's token,
-# which a re-enqueued row no longer carries. finished_at is set on the claimed row to the
+# not take. The picked row is never acked: it was enqueued in the statement's snapshot,
+# and the fence needs the row processing under the holder's token, which a re-enqueued
+# row no longer carries (when a recovery committed before the statement began, the
+# picked row may be the holder's own task: nothing is moved, and LeaseLost follows as
+# for any fence that failed). finished_at is set on the claimed row to the
 # value it has, so the batch trigger (UPDATE OF finished_at) looks at a claimed batch task
 # and, finding no finish, counts nothing.
 ACK_KEYLESS_AND_CLAIM = (

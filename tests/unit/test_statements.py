@@ -43,6 +43,17 @@ def test_every_fenced_statement_has_the_fence_whole() -> None:
     assert f"WHERE {conclusion}" in _flat(function)
 
 
+def test_the_function_that_undoes_a_zombies_claim_is_volatile() -> None:
+    # Declared IMMUTABLE or STABLE, lease_gone() could be folded at planning, and every
+    # keyless ack_and_claim would raise; or be made a one-time filter, run before the
+    # statement's rows are known.
+    (migration,) = [m for m in migrations.MIGRATIONS if "lease_gone" in m.statements[0]]
+    assert "LANGUAGE plpgsql VOLATILE AS" in _flat(migration.statements[0])
+    assert "ELSE {schema}.lease_gone(%(task_id)s, %(token)s) END" in _flat(
+        sql.ACK_KEYLESS_AND_CLAIM
+    )
+
+
 def test_the_two_claims_pick_set_and_return_alike() -> None:
     one, many = sql.CLAIM_ONE, sql.CLAIM_MANY
     pick = ("SELECT id FROM", "FOR UPDATE SKIP LOCKED")
