@@ -163,9 +163,29 @@ def _backend_total(counts: Path, pid: int) -> int:
     raise RuntimeError(f"callgrind wrote no count for backend {pid}")
 
 
+# The smaller drain's average per task this much above the larger one's: their plans
+# differ. PostgreSQL plans a statement on a table of a few hundred rows as a scan of the
+# whole table, and on more through an index, and the difference of two such drains is no
+# cost per task (a sequential scan in the 300-task drain once read as 43% fewer).
+_PLANS_DIFFER = 1.3
+
+
+def plans_differ(small: int, large: int) -> bool:
+    """Whether the drains of SMALL and LARGE tasks that counted ``small`` and ``large``
+    instructions ran different plans (see _PLANS_DIFFER)."""
+    return small / SMALL > _PLANS_DIFFER * large / LARGE
+
+
 def per_task(dsn: str, counts: Path, strategy: str, *, in_batch: bool = False) -> float:
     large = drain_instructions(dsn, counts, strategy, LARGE, in_batch=in_batch)
     small = drain_instructions(dsn, counts, strategy, SMALL, in_batch=in_batch)
+    if plans_differ(small, large):
+        print(
+            f"warning: {strategy}'s {SMALL}-task drain ran {small / SMALL:,.0f} instructions "
+            f"per task, its {LARGE:,}-task drain {large / LARGE:,.0f}: their plans differ, "
+            f"and the difference per task below is not a cost per task; compare the "
+            f"drains' totals ({small:,} and {large:,})"
+        )
     return (large - small) / (LARGE - SMALL)
 
 
