@@ -76,9 +76,10 @@ class Claims:
         params: Mapping[str, Any],
         *,
         keyless: bool = False,
+        leases: int = 1,
     ) -> tuple[set[int], list[Row]]:
-        """Ack one lease (``acks``: ACK's parameters) or many (ACK_MANY's), then, if every
-        fence held, claim up to ``limit`` tasks, all in one commit.
+        """Ack one lease (``acks``: ACK's parameters) or ``leases`` of them (ACK_MANY's),
+        then, if every fence held, claim up to ``limit`` tasks, all in one commit.
 
         Returns the acked tasks' ids and the claimed rows. A plain queue takes one
         statement (a leaner one for one lease known to have no concurrency key:
@@ -88,7 +89,6 @@ class Claims:
         """
         schema, queue = self._driver.schema, params["queue"]
         many = "task_ids" in acks
-        leases = len(acks["task_ids"]) if many else 1
         if self._is_controlled(queue):
             with conn.conn.bounded_round_trips(), conn.conn.transaction():
                 acked = self._ack(conn, acks, many)

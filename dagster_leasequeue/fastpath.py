@@ -66,6 +66,17 @@ def parse(text: str) -> ParsedStatement:
     return ParsedStatement(query, tuple(names), (PyFormat.AUTO,) * len(names))
 
 
+def bigint_array(values: Sequence[int]) -> str:
+    """``values`` in PostgreSQL's text form of an array (``{1,2,3}``), for a parameter the
+    statement casts (``%(ids)s::bigint[]``).
+
+    psycopg's list dumper looks in each element's text for characters to quote, which no
+    integer has: for the ids and tokens of 100 leases acked with the next claim
+    (``ack_many_and_claim``), a sixth of the client's instructions per task.
+    """
+    return "{" + ",".join(map(str, values)) + "}"
+
+
 class PreparedNames:
     """The statements this path prepared in one server session, by text and parameter types.
 

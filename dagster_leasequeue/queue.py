@@ -29,6 +29,7 @@ from .driver import QueueDriver
 from .dsn import describe
 from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TaskNotFound
+from .fastpath import bigint_array
 from .flow import ConcurrencyKey, encode_payloads
 from .lease import Lease, leases_from_rows
 from .models import (
@@ -713,7 +714,7 @@ class LeaseQueue:
         claim_params = claims.params(queue, worker, check_lease_seconds(lease_seconds))
         with self._driver.statements() as conn:
             sent = time.monotonic()
-            acked, rows = claims.ack_and_claim(conn, params, limit, claim_params)
+            acked, rows = claims.ack_and_claim(conn, params, limit, claim_params, leases=len(held))
         self._conclude_acked("ack_many_and_claim", held, acked, "; nothing was claimed")
         return leases_from_rows(self._driver, rows, queue=queue, worker_id=worker, sent=sent)
 
@@ -724,8 +725,8 @@ class LeaseQueue:
         if len(encoded) != len(held):
             raise ConfigurationError(f"{action} needs one result per lease (or no results)")
         return {
-            "task_ids": [lease.task_id for lease in held],
-            "tokens": [lease.token for lease in held],
+            "task_ids": bigint_array([lease.task_id for lease in held]),
+            "tokens": bigint_array([lease.token for lease in held]),
             # No results: a NULL array, which unnest() reads as a NULL for every task,
             # not an array of NULLs to write out.
             "results": None if all(r is None for r in encoded) else encoded,

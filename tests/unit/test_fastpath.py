@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dagster_leasequeue import sql
-from dagster_leasequeue.fastpath import parse
+from dagster_leasequeue.fastpath import bigint_array, parse
 
 
 def test_each_name_gets_one_number_in_order_of_first_use() -> None:
@@ -34,3 +34,9 @@ def test_every_statement_the_worker_loop_sends_is_read_whole() -> None:
         parsed = parse(text)
         assert b"%(" not in parsed.query
         assert parsed.query.count(b"$") >= len(parsed.names) > 0
+
+
+def test_a_list_of_ids_is_sent_as_an_array_literal() -> None:
+    # The statements cast the text (%(task_ids)s::bigint[]): no element needs quoting.
+    assert bigint_array([1, 22, 9_223_372_036_854_775_807]) == "{1,22,9223372036854775807}"
+    assert bigint_array([]) == "{}"
