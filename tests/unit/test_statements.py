@@ -109,15 +109,36 @@ def _leased(claim: str) -> str:
 def _returned(statement: str) -> list[str]:
     """The RETURNING list, split at the commas outside parentheses."""
     text = _flat(statement)
-    columns, depth, current = [], 0, ""
-    for char in text[text.rindex("RETURNING") + len("RETURNING") :]:
+    return _listed(text[text.rindex("RETURNING") + len("RETURNING") :])
+
+
+def _listed(text: str) -> list[str]:
+    """``text`` split at the commas outside parentheses."""
+    items, depth, current = [], 0, ""
+    for char in text:
         depth += {"(": 1, ")": -1}.get(char, 0)
         if char == "," and depth == 0:
-            columns.append(current.strip())
+            items.append(current.strip())
             current = ""
         else:
             current += char
-    return [*columns, current.strip()]
+    return [*items, current.strip()]
+
+
+def test_the_keyless_ack_and_claim_sets_the_claimed_row_as_a_claim_does() -> None:
+    # Its one UPDATE gives each column the claim sets either the claim's value for both
+    # rows, or a CASE whose value for the row that is not the acked one is the claim's.
+    def assignments(statement: str, end: str) -> dict[str, str]:
+        listed = _listed(_between(statement, "SET status", end)[len("SET ") : -len(end)])
+        return dict(item.split(" = ", 1) for item in listed)
+
+    claim = assignments(sql.CLAIM_MANY, " FROM picked")
+    keyless = assignments(sql.ACK_KEYLESS_AND_CLAIM, " WHERE t.id")
+    for column, value in claim.items():
+        assert keyless[column] == value or re.fullmatch(
+            r"CASE WHEN t\.id = %\(task_id\)s THEN .+ ELSE " + re.escape(value) + " END",
+            keyless[column],
+        ), column
 
 
 def test_the_columns_the_hot_paths_read_by_position() -> None:
