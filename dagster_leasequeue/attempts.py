@@ -248,17 +248,21 @@ def _run(
     session_reset = False
     try:
         conn.autocommit = False
+        round_trips = conn.round_trips
         try:
             yield attempt
             # The caller's work is over: what follows is the package's own (bounded.py).
             conn.bounded = True
             encoded = driver.encode_result(attempt.result)
             empty = conn.pgconn.transaction_status == _IDLE
+            # Nor did it change the session, when it made no round trip on the connection
+            # (psycopg counts its setters, autocommit's too, as round trips: set below).
+            untouched = empty and conn.round_trips == round_trips
             if empty:
                 # The work ran no statement (a duplicate, or effects kept elsewhere): no
                 # transaction to open just to conclude.
                 conn.autocommit = True
-            script = _conclusion_script(empty, claim)
+            script = _conclusion_script(empty, untouched, claim)
             session_reset = _conclude(cached, driver, script, attempt, lease, encoded, claim)
         except BaseException:
             conn.bounded = True
@@ -296,11 +300,16 @@ def _run(
     return session_reset
 
 
-def _conclusion_script(empty: bool, claim: _NextClaim | None) -> str:
+def _conclusion_script(empty: bool, untouched: bool, claim: _NextClaim | None) -> str:
     """How the attempt ends: ``empty`` when its work ran no statement (no transaction is
-    open), ``claim`` the next claim it carries, if any (see sql.CONCLUDE_ATTEMPT)."""
+    open), ``untouched`` when it made no round trip on the connection at all, ``claim`` the
+    next claim it carries, if any (see sql.CONCLUDE_ATTEMPT)."""
     if claim is not None and claim.together:
+        if untouched:
+            return sql.CONCLUDE_UNTOUCHED_ATTEMPT_AND_CLAIM
         return sql.CONCLUDE_EMPTY_ATTEMPT_AND_CLAIM if empty else sql.CONCLUDE_ATTEMPT_AND_CLAIM
+    if untouched and claim is None:
+        return sql.CONCLUDE_UNTOUCHED_ATTEMPT
     if empty:
         return sql.CONCLUDE_EMPTY_ATTEMPT_APART if claim else sql.CONCLUDE_EMPTY_ATTEMPT
     return sql.CONCLUDE_ATTEMPT
@@ -333,7 +342,9 @@ def _conclude(
     the next claim with ``claim``; False when the session is left to reset.
 
     One round trip (``script``: see sql.CONCLUDE_ATTEMPT), which tells whether its commit
-    went through; the commit happens only if the mark and the ack both went through. The
+    went through; the commit happens only if the mark and the ack both went through. A
+    conclusion of one statement (_ALONE) is sent as the worker loop's statements are, and
+    commits when it succeeds. The
     claim comes before that commit, undone alone when it fails
     (sql.CONCLUDE_ATTEMPT_AND_CLAIM), or after it: either way a claim that fails (a
     conflict, a timeout) costs the attempt nothing, and no next task comes with it (the
@@ -346,13 +357,17 @@ def _conclude(
         "result": encoded_result,
     }
     text = driver.statement(script)
+    alone = script in _ALONE
     if claim is not None:
         if not claim.together:
             text = sql.with_next_claim(text, claim.statement)
         params |= claim.params
         claim.sent = time.monotonic()
     try:
-        outcome = cached.run_script(text, params)
+        if alone:
+            outcome = ScriptOutcome([cached.rows(text, params)], True, None)
+        else:
+            outcome = cached.run_script(text, params)
         if outcome.error is not None and not outcome.committed:
             raise outcome.error
     except psycopg.Error as exc:
@@ -385,7 +400,15 @@ def _conclude(
             return False
         with driver.errors:
             raise
+    if alone:
+        if claim is not None:
+            claim.rows = outcome.rows[0]
+        return True
     return _committed(cached, outcome, claim, attempt, lease)
+
+
+# The conclusions that are one statement, its own transaction, and reset nothing.
+_ALONE = (sql.CONCLUDE_UNTOUCHED_ATTEMPT, sql.CONCLUDE_UNTOUCHED_ATTEMPT_AND_CLAIM)
 
 
 def _subject(attempt: Attempt, lease: Lease | None) -> str:

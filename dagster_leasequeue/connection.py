@@ -141,6 +141,9 @@ class QueueConnection(psycopg.Connection[Any]):
     round_trip_bound: float | None = None
     # True while the package's own statements of the worker loop run (CachedConnection).
     bounded = False
+    # Round trips made so far: an attempt whose work made none left nothing in the session
+    # to undo (attempts._run).
+    round_trips = 0
     # The client settings the pool opened the connection with (see remember_settings).
     opened_with: ClientSettings | None = None
     # The connection's adapters, made on first use from psycopg's global ones.
@@ -249,6 +252,7 @@ class QueueConnection(psycopg.Connection[Any]):
     def wait(
         self, gen: PQGen[_T], interval: float = _WAIT_INTERVAL, timeout: float | None = None
     ) -> _T:
+        self.round_trips += 1
         bound = self.round_trip_bound
         if not self.bounded or bound is None or timeout is not None:
             return super().wait(gen, interval, timeout)

@@ -1031,11 +1031,18 @@ RESET_SESSION = (
 # COMMIT never runs either. The snapshot still shows the lease, so only that conflict tells
 # a lease taken after it from one merely renewed: the conclusion fails either way, and the
 # task is retried (attempts._conclude raises LeaseLost when the lease is in fact gone).
-_CONCLUDE = "SELECT {schema}.conclude_attempt(%(attempt_id)s, %(task_id)s, %(token)s, %(result)s); "
+CONCLUDE_UNTOUCHED_ATTEMPT = (
+    "SELECT {schema}.conclude_attempt(%(attempt_id)s, %(task_id)s, %(token)s, %(result)s::jsonb)"
+)
+_CONCLUDE = CONCLUDE_UNTOUCHED_ATTEMPT + "; "
 CONCLUDE_ATTEMPT = _CONCLUDE + "COMMIT; " + RESET_SESSION
 # When the work ran no statement there is no transaction to commit: the simple query is
 # one implicit transaction, committed when it ends, and no BEGIN is needed before it.
 CONCLUDE_EMPTY_ATTEMPT = _CONCLUDE + RESET_SESSION
+# When the work made no round trip on the attempt's connection at all, it left nothing in
+# the session to reset either: the conclusion is one statement, its own transaction, sent
+# prepared as the worker loop's statements are (CONCLUDE_UNTOUCHED_ATTEMPT above, and its
+# form that claims, CONCLUDE_UNTOUCHED_ATTEMPT_AND_CLAIM below).
 # With the next claim after it, even an attempt that ran no statement commits on its own:
 # in one transaction with the claim, its key's row would stay locked while the claim waits
 # for its own key's, and two workers crossing keys would deadlock.
@@ -1055,11 +1062,11 @@ CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 # (CachedConnection.run_script), so a committed claim is never dropped. A task with a key
 # concludes apart, as above: the ack holds its key's row until the commit, and a claim
 # waiting meanwhile for another key's row could deadlock with a worker crossing keys.
-_CONCLUDE_AND_CLAIM = (
+CONCLUDE_UNTOUCHED_ATTEMPT_AND_CLAIM = (
     "SELECT * FROM {schema}.conclude_and_claim(%(attempt_id)s, %(task_id)s, %(token)s, "
-    "%(result)s, %(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)"
+    "%(result)s::jsonb, %(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)"
 )
-CONCLUDE_ATTEMPT_AND_CLAIM = _CONCLUDE_AND_CLAIM + "; COMMIT; " + RESET_SESSION
+CONCLUDE_ATTEMPT_AND_CLAIM = CONCLUDE_UNTOUCHED_ATTEMPT_AND_CLAIM + "; COMMIT; " + RESET_SESSION
 CONCLUDE_EMPTY_ATTEMPT_AND_CLAIM = "BEGIN; " + CONCLUDE_ATTEMPT_AND_CLAIM
 LEASE_GONE = "LQ001"
 # The unique index that allows one success per key.

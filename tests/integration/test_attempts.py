@@ -326,7 +326,34 @@ def session_setting(queue: LeaseQueue, name: str) -> str:
         return str(conn.execute(f"SELECT current_setting('{name}')").fetchone()[0])  # type: ignore[index]
 
 
-@pytest.mark.parametrize("ending", ["success", "error", "duplicate"])
+@pytest.mark.parametrize("claim_next", [False, True], ids=["alone", "claim_next"])
+def test_an_attempt_whose_work_used_no_connection_concludes_in_one_prepared_statement(
+    make_queue: Callable[..., LeaseQueue], claim_next: bool
+) -> None:
+    # Nothing in the session to reset: the conclusion (with the next claim) is one
+    # statement, prepared once per connection as the worker loop's, not a script the
+    # server parses and plans each time.
+    queue = make_queue(pool_size=1)
+    queue.install()
+    first, second = queue.enqueue_many([{"n": 1}, {"n": 2}])
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == first
+    with queue.attempt(lease=lease, claim_next=claim_next) as attempt:
+        attempt.result = {"computed": True}
+    assert queue.get(first).status == "done" and queue.get(first).result == {"computed": True}
+    assert [r.outcome for r in queue.attempts(task_id=first)] == ["succeeded"]
+    if claim_next:
+        assert attempt.claimed is not None and attempt.claimed.task_id == second
+        assert queue.get(second).status == "processing"
+    with queue.connection() as conn:
+        prepared = conn.execute(
+            "SELECT statement FROM pg_prepared_statements WHERE NOT from_sql"
+        ).fetchall()
+    function = "conclude_and_claim" if claim_next else "conclude_attempt"
+    assert [text for (text,) in prepared if f".{function}(" in text]
+
+
+@pytest.mark.parametrize("ending", ["success", "error", "duplicate", "committed"])
 def test_settings_made_in_an_attempt_do_not_outlive_it(
     make_queue: Callable[..., LeaseQueue], ending: str
 ) -> None:
@@ -345,6 +372,9 @@ def test_settings_made_in_an_attempt_do_not_outlive_it(
         attempt.connection.execute("SET work_mem = '7MB'")
         if ending == "error":
             raise RuntimeError("the work failed")
+        if ending == "committed":
+            # The work commits itself: no transaction is left, but the setting is.
+            attempt.connection.commit()
     assert session_setting(queue, "work_mem") == default_work_mem
     # Nor does the attempt's own idle-in-transaction timeout.
     idle_timeout = session_setting(queue, "idle_in_transaction_session_timeout")
