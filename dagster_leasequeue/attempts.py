@@ -162,18 +162,20 @@ def run_attempt(
     conn = cached.conn
     session_reset = False
     try:
-        with driver.errors:
-            (row,) = cached.rows(
-                driver.statement(sql.BEGIN_ATTEMPT),
-                {
-                    "identity": target.identity,
-                    "legacy_identity": target.legacy_identity,
-                    "queue": target.queue,
-                    "key": target.key,
-                    "task_id": target.task_id,
-                    "worker_id": worker_id,
-                },
-            )
+        row = _begun(cached, target, lease)
+        if row is None:
+            with driver.errors:
+                (row,) = cached.rows(
+                    driver.statement(sql.BEGIN_ATTEMPT),
+                    {
+                        "identity": target.identity,
+                        "legacy_identity": target.legacy_identity,
+                        "queue": target.queue,
+                        "key": target.key,
+                        "task_id": target.task_id,
+                        "worker_id": worker_id,
+                    },
+                )
         attempt = Attempt(
             target=target,
             attempt_id=row[0],
@@ -194,6 +196,23 @@ def run_attempt(
         if not session_reset:
             conn.bounded = True  # cleared when the loan ends (QueueDriver.lent_connection)
             reset_session(conn, driver.statement(sql.RESET_SESSION))
+
+
+def _begun(cached: CachedConnection, target: AttemptTarget, lease: Lease | None) -> Row | None:
+    """The start record the claim of ``lease`` made, when this attempt is at the task's own
+    work (sql.CONCLUDE_ATTEMPT_AND_CLAIM); else None, and a record made for the task's work
+    is taken back (an attempt at a key of the caller's is other work)."""
+    if lease is None:
+        return None
+    if target != attempt_target(None, lease):
+        lease._discard_begun_attempt(cached)
+        return None
+    return lease._take_begun_attempt()
+
+
+# Where the row of a claim made with an attempt's conclusion has the start record it made
+# for the claimed task (conclude_claim_and_begin(), migration 26).
+_BEGUN_COLUMN = 12
 
 
 class _NextClaim:
@@ -233,7 +252,13 @@ class _NextClaim:
         leases = leases_from_rows(
             self._driver, rows, queue=self._queue, worker_id=self._worker_id, sent=self.sent
         )
-        return leases[0] if leases else None
+        if not leases:
+            return None
+        (lease,) = leases
+        for row in rows:
+            if row[0] == lease.task_id and len(row) > _BEGUN_COLUMN and row[_BEGUN_COLUMN]:
+                lease._begin_attempt_with(row[_BEGUN_COLUMN:])
+        return lease
 
 
 def _run(

@@ -84,6 +84,9 @@ class Lease:
         self._wants_next = False
         self._next_lease_seconds: float | None = None
         self.next_lease: Lease | None = None
+        # The task's attempt, begun by the commit that claimed it (sql.CONCLUDE_ATTEMPT_AND_
+        # CLAIM): the row an attempt on this lease takes instead of beginning its own.
+        self._begun_attempt: Row | None = None
         # The lease's end on this machine's monotonic clock, counted from before the claim
         # or renewal was sent, so never later than the database's own expiry.
         self._local_deadline = claimed_at + lease_seconds
@@ -163,6 +166,7 @@ class Lease:
         encoded = self._driver.encode_result(result)
         with self._driver.statements() as conn, self._lock:
             self._refuse_if_finished("ack")
+            self._discard_begun_attempt(conn)
             self._ack_on(conn, encoded)
             self._outcome = "acked"
 
@@ -181,6 +185,7 @@ class Lease:
         params = claims.params(self.queue, self.worker_id or "", check_lease_seconds(lease_seconds))
         with self._driver.statements() as conn, self._lock:
             self._refuse_if_finished("ack")
+            self._discard_begun_attempt(conn)
             sent = time.monotonic()
             acked, rows = claims.ack_and_claim(
                 conn, self._fence_params() | {"result": encoded}, 1, params, keyless=self._keyless
@@ -208,6 +213,33 @@ class Lease:
             changed = conn.execute(statement, params).rowcount
         if changed != 1:
             self._raise_lost_on(conn, "ack")
+
+    def _begin_attempt_with(self, row: Row) -> None:
+        """Keep the attempt the claim of this lease began (see :attr:`_begun_attempt`)."""
+        self._begun_attempt = row
+
+    def _take_begun_attempt(self) -> Row | None:
+        """The attempt the claim began, for an attempt on this lease; None when there is
+        none, or another attempt took it."""
+        with self._lock:
+            row, self._begun_attempt = self._begun_attempt, None
+        return row
+
+    def _discard_begun_attempt(self, conn: Executor | CachedConnection) -> None:
+        """Take back the start record the claim made, when the lease ends without using it:
+        the task's attempts list only attempts made. A failure is logged, and leaves the
+        record to be marked abandoned by the task's next attempt."""
+        row, self._begun_attempt = self._begun_attempt, None
+        if row is None:
+            return
+        try:
+            with self._driver.errors:
+                conn.execute(
+                    self._statement(sql.DISCARD_BEGUN_ATTEMPT),
+                    {"attempt_id": row[0], "task_id": self.task_id},
+                )
+        except LeaseQueueError as exc:
+            logger.warning("the unused attempt record of task %s is kept: %s", self.task_id, exc)
 
     def _mark_acked(self) -> None:
         """Record that an ack run through :meth:`_ack_on` has committed."""
@@ -238,6 +270,7 @@ class Lease:
         params = self._fence_params() | {"error": describe_error(error), "retry_in": delay}
         with self._lock:
             self._refuse_if_finished("fail")
+            self._discard_begun_attempt(conn)
             row = conn.execute(self._statement(sql.FAIL), params).fetchone()
             if row is None:
                 self._raise_lost_on(conn, "fail")
@@ -255,6 +288,7 @@ class Lease:
         params = self._fence_params() | {"delay": check_seconds("delay", delay, allow_zero=True)}
         with self._driver.statements() as conn, self._lock:
             self._refuse_if_finished("release")
+            self._discard_begun_attempt(conn)
             if conn.execute(self._statement(sql.RELEASE), params).rowcount != 1:
                 self._raise_lost_on(conn, "release")
             self._outcome = "released"
@@ -402,6 +436,14 @@ def leases_from_rows(
         )
         for row in in_claim_order([row for row in rows if row[0] is not None])
     ]
+
+
+def discard_begun_attempts(conn: CachedConnection, leases: Iterable[Lease]) -> None:
+    """Take back the start records that the claims of ``leases`` made and that they end
+    without using (see :meth:`Lease._discard_begun_attempt`): for acks of many leases."""
+    for lease in leases:
+        if lease._begun_attempt is not None:
+            lease._discard_begun_attempt(conn)
 
 
 class _Renewer(threading.Thread):

@@ -1208,15 +1208,20 @@ _CONDITIONS_IN_THE_FUNCTIONS = (
 # key, as a plain claim's do, so the next lease knows whether it is keyless: a lease whose
 # task has a key concludes apart from the next claim (see sql.CONCLUDE_ATTEMPT_AND_CLAIM).
 # tests/unit/test_statements.py holds the claim to sql.CLAIM_ONE.
-_CONCLUDE_AND_CLAIM_HEAD = """
-    CREATE {replace}FUNCTION {{schema}}.conclude_and_claim(
+# Its arguments, and the columns of a claim it returns (conclude_claim_and_begin() too).
+_CONCLUDE_AND_CLAIM_SIGNATURE = """(
         p_attempt_id bigint, p_task_id bigint, p_token bigint, p_result jsonb,
         p_queue text, p_worker text, p_lease double precision, p_default_lease double precision
     ) RETURNS TABLE (
         id bigint, payload jsonb, priority integer, attempts integer, max_attempts integer,
         lease_token bigint, lease_expires_at timestamptz, idempotency_key text,
         lease_seconds double precision, run_at timestamptz, next_token_in double precision,
-        concurrency_key text
+        concurrency_key text"""
+_CONCLUDE_AND_CLAIM_HEAD = (
+    """
+    CREATE {replace}FUNCTION {{schema}}.conclude_and_claim"""
+    + _CONCLUDE_AND_CLAIM_SIGNATURE
+    + """
     )
     LANGUAGE plpgsql AS $$
     #variable_conflict use_column
@@ -1226,6 +1231,7 @@ _CONCLUDE_AND_CLAIM_HEAD = """
         PERFORM {{schema}}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
 {before}        BEGIN
 """
+)
 _CONCLUDE_AND_CLAIM_TAIL = """, t.concurrency_key
             INTO id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
                  idempotency_key, lease_seconds, run_at, next_token_in, concurrency_key;
@@ -1436,6 +1442,117 @@ _LEASE_GONE = (
     $$
     """,
     "GRANT EXECUTE ON FUNCTION {schema}.lease_gone(bigint, bigint) TO PUBLIC",
+)
+
+# Migration 26: the next task's attempt begun in the commit that claims it. In the worker
+# loop through attempts (attempt(claim_next=True)) each task took two round trips and two
+# commits: the attempt's start record, then its conclusion with the next claim. The start
+# record of the claimed task now commits with that claim: conclude_claim_and_begin() is
+# conclude_and_claim() followed by begin_attempt() for the claimed task, and an attempt on
+# that lease takes the record it began (attempts.run_attempt) instead of making one. The
+# begin runs in a block of its own: when it fails, it is undone alone and the attempt is
+# begun apart, as before. begin_attempt() is sql.BEGIN_ATTEMPT's statement, which now calls
+# it: one text for both. The claimed task's identity is AttemptTarget.identity's for a
+# task's own work (migration 5's text for it; tests/integration/test_attempts.py holds the
+# two alike). A start record the lease did not use (concluded without an attempt, or by an
+# attempt with a key of the caller's) is taken back by discard_begun_attempt(): workers have
+# no DELETE on attempts, so it runs as the schema's owner, and deletes a record only while
+# it is unused (running or skipped, and of its task).
+_BEGIN_ATTEMPT_FUNCTION = """
+    CREATE FUNCTION {schema}.begin_attempt(
+        p_identity text, p_legacy_identity text, p_queue text, p_key text, p_task_id bigint,
+        p_worker text
+    ) RETURNS TABLE (
+        attempt_id bigint, attempt_number integer, duplicate boolean, success_result jsonb,
+        abandoned_count bigint
+    )
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        RETURN QUERY
+        WITH abandoned AS (
+            UPDATE {schema}.attempts AS a
+            SET outcome = 'abandoned', finished_at = clock_timestamp()
+            WHERE a.identity = p_identity AND a.outcome = 'running'
+            RETURNING a.id
+        ), previous AS (
+            -- One equality per identity, not IN (...): the generic plan, made while the
+            -- table is nearly empty, then reads the index, not every record.
+            SELECT count(*) AS n,
+                   bool_or(r.outcome = 'succeeded') AS succeeded,
+                   (array_agg(r.result) FILTER (WHERE r.outcome = 'succeeded'))[1] AS result
+            FROM (SELECT a.outcome, a.result FROM {schema}.attempts AS a
+                  WHERE a.identity = p_identity
+                  UNION ALL
+                  SELECT a.outcome, a.result FROM {schema}.attempts AS a
+                  WHERE a.identity = p_legacy_identity) AS r
+        ), began AS (
+            INSERT INTO {schema}.attempts
+                (identity, queue, key, attempt, task_id, worker_id, outcome, finished_at)
+            SELECT p_identity, p_queue, p_key, previous.n + 1, p_task_id, p_worker,
+                   CASE WHEN previous.succeeded THEN 'skipped' ELSE 'running' END,
+                   CASE WHEN previous.succeeded THEN clock_timestamp() END
+            FROM previous
+            RETURNING id, attempt, outcome = 'skipped' AS skipped
+        )
+        SELECT began.id, began.attempt, began.skipped, (SELECT result FROM previous),
+               (SELECT count(*) FROM abandoned)
+        FROM began;
+    END
+    $$
+"""
+_CONCLUDE_CLAIM_AND_BEGIN = (
+    """
+    CREATE FUNCTION {schema}.conclude_claim_and_begin"""
+    + _CONCLUDE_AND_CLAIM_SIGNATURE
+    + """, attempt_id bigint, attempt_number integer,
+        duplicate boolean, success_result jsonb, abandoned_count bigint
+    )
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        SELECT c.id, c.payload, c.priority, c.attempts, c.max_attempts, c.lease_token,
+               c.lease_expires_at, c.idempotency_key, c.lease_seconds, c.run_at,
+               c.next_token_in, c.concurrency_key
+        INTO id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
+             idempotency_key, lease_seconds, run_at, next_token_in, concurrency_key
+        FROM {schema}.conclude_and_claim(
+            p_attempt_id, p_task_id, p_token, p_result, p_queue, p_worker, p_lease,
+            p_default_lease) AS c;
+        IF NOT FOUND THEN
+            RETURN;  -- no task was due
+        END IF;
+        IF id IS NOT NULL THEN
+            BEGIN
+                SELECT b.attempt_id, b.attempt_number, b.duplicate, b.success_result,
+                       b.abandoned_count
+                INTO attempt_id, attempt_number, duplicate, success_result, abandoned_count
+                FROM {schema}.begin_attempt(
+                    CASE WHEN idempotency_key IS NULL THEN 'task:' || id
+                         ELSE 'queue:' || length(p_queue) || ':' || p_queue || ':'
+                              || idempotency_key END,
+                    'legacy:' || idempotency_key, p_queue, idempotency_key, id, p_worker) AS b;
+            EXCEPTION WHEN OTHERS OR query_canceled THEN
+                RAISE WARNING 'the attempt of task % was not begun with its claim (it is '
+                    'begun apart): %', id, SQLERRM;
+            END;
+        END IF;
+        RETURN NEXT;
+    END
+    $$
+"""
+)
+_DISCARD_BEGUN_ATTEMPT = """
+    CREATE FUNCTION {schema}.discard_begun_attempt(p_attempt_id bigint, p_task_id bigint)
+    RETURNS void
+    LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+        DELETE FROM {schema}.attempts
+        WHERE id = p_attempt_id AND task_id = p_task_id AND outcome IN ('running', 'skipped')
+    $$
+"""
+_BEGUN_ATTEMPTS = (
+    _BEGIN_ATTEMPT_FUNCTION,
+    _CONCLUDE_CLAIM_AND_BEGIN,
+    _DISCARD_BEGUN_ATTEMPT,
+    "GRANT EXECUTE ON FUNCTION {schema}.discard_begun_attempt(bigint, bigint) TO PUBLIC",
 )
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -1799,6 +1916,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         25,
         "the keyless ack and claim in one update, a failed fence raised by lease_gone()",
         _LEASE_GONE,
+    ),
+    Migration(
+        26,
+        "the next task's attempt begun in the commit that claims it",
+        _BEGUN_ATTEMPTS,
     ),
 )
 

@@ -31,7 +31,7 @@ from .embedded import embedded_dsn
 from .errors import ConfigurationError, LeaseLost, LeaseQueueError, TaskNotFound
 from .fastpath import bigint_array
 from .flow import ConcurrencyKey, encode_payloads
-from .lease import Lease, leases_from_rows
+from .lease import Lease, discard_begun_attempts, leases_from_rows
 from .models import (
     FINISHED,
     LIVE,
@@ -674,6 +674,7 @@ class LeaseQueue:
         if not held:
             return []
         with self._driver.statements() as conn:
+            discard_begun_attempts(conn, held)
             acked = {
                 int(row[0]) for row in conn.execute(self._driver.statement(sql.ACK_MANY), params)
             }
@@ -713,6 +714,7 @@ class LeaseQueue:
         claims = self._driver.claims
         claim_params = claims.params(queue, worker, check_lease_seconds(lease_seconds))
         with self._driver.statements() as conn:
+            discard_begun_attempts(conn, held)
             sent = time.monotonic()
             acked, rows = claims.ack_and_claim(conn, params, limit, claim_params, leases=len(held))
         self._conclude_acked("ack_many_and_claim", held, acked, "; nothing was claimed")

@@ -933,7 +933,8 @@ DEAD_WITH_KEY_TAKEN = (
 # Rows of the key still 'running' belong to an attempt that died, or to one still under
 # way elsewhere (a zombie and its replacement, say): both are marked abandoned; one that is
 # in fact alive sets its own outcome when it ends. Then the key's success, if any, and a
-# new row recording this attempt.
+# new row recording this attempt: begin_attempt() (migration 26), which the commit that
+# claims a task also runs for it when an attempt's conclusion claims the next task.
 #
 # Its commit does not wait for the disk (synchronous_commit off, for this transaction
 # only): a crash of the server may lose this start record and the abandoned marks, which
@@ -941,30 +942,9 @@ DEAD_WITH_KEY_TAKEN = (
 # commit that matters (the success, the ack) is synchronous and, being later in the WAL,
 # makes this record durable with it.
 BEGIN_ATTEMPT = """
-    WITH abandoned AS (
-        UPDATE {schema}.attempts SET outcome = 'abandoned', finished_at = clock_timestamp()
-        WHERE identity = %(identity)s AND outcome = 'running'
-        RETURNING id
-    ), previous AS (
-        -- One equality per identity, not IN (...): the prepared statement's generic plan,
-        -- made while the table is nearly empty, then reads the index, not every record.
-        SELECT count(*) AS n,
-               bool_or(r.outcome = 'succeeded') AS succeeded,
-               (array_agg(r.result) FILTER (WHERE r.outcome = 'succeeded'))[1] AS result
-        FROM (SELECT outcome, result FROM {schema}.attempts WHERE identity = %(identity)s
-              UNION ALL
-              SELECT outcome, result FROM {schema}.attempts
-              WHERE identity = %(legacy_identity)s) AS r
-    )
-    INSERT INTO {schema}.attempts
-        (identity, queue, key, attempt, task_id, worker_id, outcome, finished_at)
-    SELECT %(identity)s, %(queue)s, %(key)s, previous.n + 1, %(task_id)s, %(worker_id)s,
-           CASE WHEN previous.succeeded THEN 'skipped' ELSE 'running' END,
-           CASE WHEN previous.succeeded THEN clock_timestamp() END
-    FROM previous
-    RETURNING id, attempt, outcome = 'skipped',
-              (SELECT result FROM previous), (SELECT count(*) FROM abandoned),
-              set_config('synchronous_commit', 'off', true)
+    SELECT b.*, set_config('synchronous_commit', 'off', true)
+    FROM {schema}.begin_attempt(%(identity)s, %(legacy_identity)s, %(queue)s, %(key)s,
+                                %(task_id)s, %(worker_id)s) AS b
 """
 
 # Sent with the BEGIN of an attempt's transaction (see QueueConnection): the session ends
@@ -1052,7 +1032,9 @@ CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 #
 # For a lease whose task has no concurrency key, on a queue the plain claim takes, the
 # claim commits with the attempt instead, one commit to wait for and not two: the
-# conclusion and the claim are one function (migrations 21 and 22), before the COMMIT, and
+# conclusion and the claim are one function (migrations 21 and 22), which also begins the
+# claimed task's attempt (migration 26: an attempt on its lease then takes that start
+# record, and makes no round trip of its own to begin), before the COMMIT, and
 # the session's reset follows it, as it follows any conclusion (so a deferred trigger of
 # the borrower's still runs with its settings and role, and its advisory locks hold until
 # the commit). The claim is made in READ COMMITTED only, waits for no lock longer than
@@ -1063,12 +1045,14 @@ CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 # concludes apart, as above: the ack holds its key's row until the commit, and a claim
 # waiting meanwhile for another key's row could deadlock with a worker crossing keys.
 CONCLUDE_UNTOUCHED_ATTEMPT_AND_CLAIM = (
-    "SELECT * FROM {schema}.conclude_and_claim(%(attempt_id)s, %(task_id)s, %(token)s, "
+    "SELECT * FROM {schema}.conclude_claim_and_begin(%(attempt_id)s, %(task_id)s, %(token)s, "
     "%(result)s::jsonb, %(queue)s, %(worker_id)s, %(lease_seconds)s, %(default_lease)s)"
 )
 CONCLUDE_ATTEMPT_AND_CLAIM = CONCLUDE_UNTOUCHED_ATTEMPT_AND_CLAIM + "; COMMIT; " + RESET_SESSION
 CONCLUDE_EMPTY_ATTEMPT_AND_CLAIM = "BEGIN; " + CONCLUDE_ATTEMPT_AND_CLAIM
 LEASE_GONE = "LQ001"
+# A start record begun with a claim (see above) that its lease did not use: taken back.
+DISCARD_BEGUN_ATTEMPT = "SELECT {schema}.discard_begun_attempt(%(attempt_id)s, %(task_id)s)"
 # The unique index that allows one success per key.
 SUCCESS_INDEX = "attempts_success_idx"
 

@@ -15,11 +15,12 @@ from dagster_leasequeue import (
     Attempt,
     ConfigurationError,
     DatabaseUnavailable,
+    Lease,
     LeaseLost,
     LeaseQueue,
     LeaseQueueError,
     LeaseQueueSettings,
-    sql,
+    migrations,
 )
 
 from ..helpers import expire, run_sql
@@ -349,7 +350,7 @@ def test_an_attempt_whose_work_used_no_connection_concludes_in_one_prepared_stat
         prepared = conn.execute(
             "SELECT statement FROM pg_prepared_statements WHERE NOT from_sql"
         ).fetchall()
-    function = "conclude_and_claim" if claim_next else "conclude_attempt"
+    function = "conclude_claim_and_begin" if claim_next else "conclude_attempt"
     assert [text for (text,) in prepared if f".{function}(" in text]
 
 
@@ -581,25 +582,145 @@ def test_a_connection_cut_right_after_the_commit_leaves_the_attempt_concluded(
 def test_the_attempts_start_reads_its_records_by_index_whatever_the_tables_size(
     queue: LeaseQueue, dsn: str
 ) -> None:
-    # The start is prepared, and its generic plan is made while the table is nearly empty;
-    # with no ANALYZE after (autovacuum off, or not yet run) that plan stays. A sequential
-    # read of every record would then make each attempt slower than the one before.
-    for key in ("a", "b", "c", "d", "e"):  # the table when psycopg first prepares it
+    # The start (begin_attempt(), migration 26) keeps its statement's plan for the session,
+    # and its generic plan is made while the table is nearly empty; with no ANALYZE after
+    # (autovacuum off, or not yet run) that plan stays. A sequential read of every record
+    # would then make each attempt slower than the one before. The function's statement is
+    # prepared here with its parameters' types, as PL/pgSQL prepares it.
+    for key in ("a", "b", "c", "d", "e"):  # the table when the start is first planned
         with queue.attempt(key):
             pass
-    statement = sql.compose(sql.BEGIN_ATTEMPT, queue.schema)
+    body = migrations._BEGIN_ATTEMPT_FUNCTION
+    query = body[body.index("RETURN QUERY") + len("RETURN QUERY") : body.index(";\n    END")]
+    parameters = ["p_identity", "p_legacy_identity", "p_queue", "p_key", "p_task_id", "p_worker"]
+    for number, name in enumerate(parameters, start=1):
+        query = re.sub(rf"\b{name}\b", f"${number}", query)
     with psycopg.connect(dsn) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")
-        cursor = psycopg.ClientCursor(conn)
-        names = re.findall(r"%\((\w+)\)s", statement)
-        order = list(dict.fromkeys(names))
-        prepared = re.sub(r"%\((\w+)\)s", lambda m: f"${order.index(m.group(1)) + 1}", statement)
-        cursor.execute(f"PREPARE begin_attempt AS {prepared}")
+        conn.execute(
+            "PREPARE begin_attempt (text, text, text, text, bigint, text) AS "
+            + query.replace("{schema}", f'"{queue.schema}"')
+        )
         plan = "\n".join(
             row[0]
-            for row in cursor.execute(
-                f"EXPLAIN EXECUTE begin_attempt({', '.join(['NULL'] * len(order))})"
+            for row in conn.execute(
+                "EXPLAIN EXECUTE begin_attempt(NULL, NULL, NULL, NULL, NULL, NULL)"
             )
         )
         conn.rollback()
-    assert "Seq Scan on attempts" not in plan, plan
+    assert "Index" in plan and "Seq Scan on attempts" not in plan, plan
+
+
+def _chain_to_second(queue: LeaseQueue, **second: object) -> tuple[int, Lease]:
+    """Enqueue two tasks and run the first's attempt with claim_next: the first task's id
+    and the lease its conclusion claimed (the second task, ``second`` its enqueue options)."""
+    first = queue.enqueue({"n": 1})
+    queue.enqueue({"n": 2}, **second)  # type: ignore[arg-type]
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == first
+    with queue.attempt(lease=lease, claim_next=True) as attempt:
+        attempt.result = {"n": 1}
+    assert attempt.claimed is not None
+    return first, attempt.claimed
+
+
+def test_the_commit_that_claims_a_task_with_an_attempt_begins_its_attempt(
+    queue: LeaseQueue,
+) -> None:
+    # The claimed task's start record commits with its claim; the attempt on its lease takes
+    # it instead of beginning one of its own (one round trip a task in the loop, not two).
+    _, claimed = _chain_to_second(queue)
+    (begun,) = queue.attempts(task_id=claimed.task_id)
+    assert (begun.outcome, begun.attempt, begun.worker_id) == ("running", 1, claimed.worker_id)
+    with queue.attempt(lease=claimed) as attempt:
+        assert (attempt.id, attempt.number, attempt.duplicate) == (begun.id, 1, False)
+        attempt.result = {"n": 2}
+    assert [(a.id, a.outcome) for a in queue.attempts(task_id=claimed.task_id)] == [
+        (begun.id, "succeeded")
+    ]
+    assert queue.get(claimed.task_id).result == {"n": 2}
+
+
+def test_a_task_whose_work_succeeded_is_claimed_with_its_attempt_a_duplicate(
+    results: LeaseQueue,
+) -> None:
+    # The start record made with the claim reads the work's success, as a start made apart:
+    # the identity the claim gives the task's work is the one attempts() looks up.
+    queue = results
+    earlier = queue.enqueue({"to": "a"}, idempotency_key="report")
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == earlier
+    with queue.attempt(lease=lease) as attempt:
+        write_result(attempt, "report", 1)
+        attempt.result = {"pages": 1}
+    _, claimed = _chain_to_second(queue, idempotency_key="report")
+    with queue.attempt(lease=claimed) as attempt:
+        assert attempt.duplicate and attempt.result == {"pages": 1}
+        assert attempt.key == "report"
+    assert count_results(queue) == 1
+    outcomes = [a.outcome for a in queue.attempts("report", queue=claimed.queue)]
+    assert outcomes == ["succeeded", "skipped"]
+
+
+@pytest.mark.parametrize("ending", ["ack", "fail", "release", "ack_many", "keyed attempt"])
+def test_a_start_record_that_its_lease_did_not_use_is_taken_back(
+    queue: LeaseQueue, ending: str
+) -> None:
+    # A lease claimed with an attempt's conclusion but ended otherwise: its task's attempts
+    # list only the attempts made.
+    _, claimed = _chain_to_second(queue)
+    if ending == "ack":
+        claimed.ack({"n": 2})
+    elif ending == "fail":
+        claimed.fail("no", retry_in=0)
+    elif ending == "release":
+        claimed.release()
+    elif ending == "ack_many":
+        queue.ack_many([claimed])
+    else:
+        with queue.attempt("a key of my own", lease=claimed):
+            pass
+        assert [a.outcome for a in queue.attempts("a key of my own")] == ["succeeded"]
+    assert queue.attempts(task_id=claimed.task_id) == []
+
+
+def test_a_start_record_whose_worker_died_is_marked_abandoned_by_the_next_attempt(
+    queue: LeaseQueue,
+) -> None:
+    _, claimed = _chain_to_second(queue)
+    expire(queue, claimed.task_id)
+    assert len(queue.sweep()) == 1
+    again = queue.claim()
+    assert again is not None and again.task_id == claimed.task_id
+    with queue.attempt(lease=again) as attempt:
+        assert (attempt.number, attempt.abandoned) == (2, 1)
+    outcomes = [a.outcome for a in queue.attempts(task_id=claimed.task_id)]
+    assert outcomes == ["abandoned", "succeeded"]
+
+
+def test_a_start_that_fails_with_the_claim_is_made_apart_and_the_claim_stands(
+    queue: LeaseQueue,
+) -> None:
+    # A trigger of the caller's refuses start records made in the claiming commit: the
+    # conclusion and the claim still commit, and the attempt begins on its own.
+    run_sql(
+        queue,
+        """
+        CREATE FUNCTION {schema}.refuse_in_claims() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF strpos(current_query(), 'conclude_claim_and_begin') > 0 THEN
+                RAISE EXCEPTION 'no start records here';
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER refuse_in_claims BEFORE INSERT ON {schema}.attempts
+            FOR EACH ROW EXECUTE FUNCTION {schema}.refuse_in_claims();
+        """,
+    )
+    first, claimed = _chain_to_second(queue)
+    assert queue.get(first).status == "done"
+    assert queue.get(claimed.task_id).status == "processing"
+    assert queue.attempts(task_id=claimed.task_id) == []
+    with queue.attempt(lease=claimed) as attempt:
+        assert attempt.number == 1
+    assert [a.outcome for a in queue.attempts(task_id=claimed.task_id)] == ["succeeded"]

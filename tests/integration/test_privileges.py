@@ -49,6 +49,18 @@ def test_the_worker_role_runs_claim_ack_renew_attempt_and_sweep(
                 ),
                 (lease.task_id,),
             )
+        # The loop through attempts: the next task's start record commits with its claim;
+        # one its lease did not use is taken back, with no DELETE right on attempts.
+        first = worker.claim()
+        assert first is not None
+        with worker.attempt(lease=first, claim_next=True) as attempt:
+            pass
+        assert attempt.claimed is not None
+        assert [a.outcome for a in worker.attempts(task_id=attempt.claimed.task_id)] == [
+            "running"
+        ]
+        attempt.claimed.ack()
+        assert worker.attempts(task_id=attempt.claimed.task_id) == []
         stale = worker.claim()
         assert stale is not None
         expire(queue, stale.task_id)
@@ -56,7 +68,7 @@ def test_the_worker_role_runs_claim_ack_renew_attempt_and_sweep(
         failing = worker.claim()
         assert failing is not None
         failing.fail("retry me", retry_in=0)
-        assert worker.stats().counts["done"] == 1
+        assert worker.stats().counts["done"] == 3
         assert worker.get(ids[0]).status == "done"
         # A batch's tasks and keyed ones, each counted by a trigger as the worker finishes
         # them (a stripe row of the worker's session made on its first finish).

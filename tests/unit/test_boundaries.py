@@ -21,10 +21,28 @@ ALLOWED: dict[str, set[str]] = {
     # Lease's package-internal interface: an attempt acks, fails and reports a lost lease
     # inside its own transaction, and ack_many marks the leases it acked.
     # (and, when its ack met a conflict outside READ COMMITTED, whether the lease is lost)
-    "attempts.py": {"_ack_on", "_fail_on", "_mark_acked", "_raise_if_lost_on", "_raise_lost_on"},
+    # An attempt also hands a lease the start record its claim made, and takes it.
+    "attempts.py": {
+        "_ack_on",
+        "_fail_on",
+        "_mark_acked",
+        "_raise_if_lost_on",
+        "_raise_lost_on",
+        "_begin_attempt_with",
+        "_take_begun_attempt",
+        "_discard_begun_attempt",
+    },
     "queue.py": {"_mark_acked"},
-    # The renewal thread is part of the Lease it renews (same module).
-    "lease.py": {"_concluded_by_self", "_driver", "_local_deadline", "_lost"},
+    # The renewal thread is part of the Lease it renews (same module), and so is the
+    # function that takes back the unused start records of many leases.
+    "lease.py": {
+        "_concluded_by_self",
+        "_driver",
+        "_local_deadline",
+        "_lost",
+        "_begun_attempt",
+        "_discard_begun_attempt",
+    },
     # The hot path borrows a connection without a frame of its own (same module); psycopg
     # has no public way to name the connection's encoding for a raw error result.
     "connection.py": {"_acquire", "_encoding"},

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from dagster_leasequeue import migrations, sql
+from dagster_leasequeue import attempts, migrations, sql
 
 
 def _flat(text: str) -> str:
@@ -112,6 +112,13 @@ def _returned(statement: str) -> list[str]:
     return _listed(text[text.rindex("RETURNING") + len("RETURNING") :])
 
 
+def _table_columns(function: str) -> list[str]:
+    """A function's RETURNS TABLE columns, each with its type."""
+    text = _flat(function)
+    start = text.index("RETURNS TABLE (") + len("RETURNS TABLE (")
+    return _listed(text[start : text.index(")", text.index("abandoned_count", start))])
+
+
 def _listed(text: str) -> list[str]:
     """``text`` split at the commas outside parentheses."""
     items, depth, current = [], 0, ""
@@ -171,14 +178,21 @@ def test_the_columns_the_hot_paths_read_by_position() -> None:
     assert _returned(sql.FAIL) == ["status", "run_at"]
     assert _returned(sql.RENEW) == ["lease_expires_at"]
     # run_attempt reads the start record's id, number, duplicate flag, earlier result and
-    # how many attempts it found abandoned.
-    assert _returned(sql.BEGIN_ATTEMPT)[:5] == [
-        "id",
-        "attempt",
-        "outcome = 'skipped'",
-        "(SELECT result FROM previous)",
-        "(SELECT count(*) FROM abandoned)",
+    # how many attempts it found abandoned: begin_attempt()'s columns (migration 26), which
+    # the claim made with an attempt's conclusion returns after the claim's own.
+    begun = _table_columns(migrations._BEGIN_ATTEMPT_FUNCTION)
+    assert [column.split()[0] for column in begun] == [
+        "attempt_id",
+        "attempt_number",
+        "duplicate",
+        "success_result",
+        "abandoned_count",
     ]
+    assert _flat(sql.BEGIN_ATTEMPT).startswith("SELECT b.*, set_config(")
+    claimed_and_begun = _table_columns(migrations._CONCLUDE_CLAIM_AND_BEGIN)
+    assert claimed_and_begun[attempts._BEGUN_COLUMN :] == begun
+    claimed = [column.split()[0] for column in claimed_and_begun[: attempts._BEGUN_COLUMN]]
+    assert claimed == [item.split()[-1].split(".")[-1] for item in _returned(sql.CLAIM_ONE)]
 
 
 def test_the_statements_sent_for_every_task_keep_their_conversion_in_psycopg() -> None:
