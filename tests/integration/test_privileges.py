@@ -56,9 +56,7 @@ def test_the_worker_role_runs_claim_ack_renew_attempt_and_sweep(
         with worker.attempt(lease=first, claim_next=True) as attempt:
             pass
         assert attempt.claimed is not None
-        assert [a.outcome for a in worker.attempts(task_id=attempt.claimed.task_id)] == [
-            "running"
-        ]
+        assert [a.outcome for a in worker.attempts(task_id=attempt.claimed.task_id)] == ["running"]
         attempt.claimed.ack()
         assert worker.attempts(task_id=attempt.claimed.task_id) == []
         stale = worker.claim()
