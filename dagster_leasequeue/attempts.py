@@ -204,10 +204,11 @@ def _begun(cached: CachedConnection, target: AttemptTarget, lease: Lease | None)
     is taken back (an attempt at a key of the caller's is other work)."""
     if lease is None:
         return None
-    if target != attempt_target(None, lease):
-        lease._discard_begun_attempt(cached)
+    row = lease._take_begun_attempt()
+    if row is not None and target != attempt_target(None, lease):
+        lease._discard_attempt_record(cached, row)
         return None
-    return lease._take_begun_attempt()
+    return row
 
 
 # Where the row of a claim made with an attempt's conclusion has the start record it made

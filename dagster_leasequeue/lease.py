@@ -226,17 +226,21 @@ class Lease:
         return row
 
     def _discard_begun_attempt(self, conn: Executor | CachedConnection) -> None:
-        """Take back the start record the claim made, when the lease ends without using it:
-        the task's attempts list only attempts made. A failure is logged, and leaves the
-        record to be marked abandoned by the task's next attempt."""
+        """Take back the start record the claim made, when the lease ends without using it
+        (the caller holds the lease's lock, and the lease is not concluded yet): the task's
+        attempts list only attempts made."""
         row, self._begun_attempt = self._begun_attempt, None
-        if row is None:
-            return
+        if row is not None:
+            self._discard_attempt_record(conn, row)
+
+    def _discard_attempt_record(self, conn: Executor | CachedConnection, row: Row) -> None:
+        """Take back the start record ``row`` (see :meth:`_discard_begun_attempt`). A failure
+        is logged, and leaves the record to be marked abandoned by the task's next attempt."""
         try:
             with self._driver.errors:
                 conn.execute(
                     self._statement(sql.DISCARD_BEGUN_ATTEMPT),
-                    {"attempt_id": row[0], "task_id": self.task_id},
+                    self._fence_params() | {"attempt_id": row[0]},
                 )
         except LeaseQueueError as exc:
             logger.warning("the unused attempt record of task %s is kept: %s", self.task_id, exc)
@@ -443,7 +447,8 @@ def discard_begun_attempts(conn: CachedConnection, leases: Iterable[Lease]) -> N
     without using (see :meth:`Lease._discard_begun_attempt`): for acks of many leases."""
     for lease in leases:
         if lease._begun_attempt is not None:
-            lease._discard_begun_attempt(conn)
+            with lease._lock:
+                lease._discard_begun_attempt(conn)
 
 
 class _Renewer(threading.Thread):

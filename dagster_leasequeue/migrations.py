@@ -1458,17 +1458,9 @@ _LEASE_GONE = (
 # attempt with a key of the caller's) is taken back by discard_begun_attempt(): workers have
 # no DELETE on attempts, so it runs as the schema's owner, and deletes a record only while
 # it is unused (running or skipped, and of its task).
-_BEGIN_ATTEMPT_FUNCTION = """
-    CREATE FUNCTION {schema}.begin_attempt(
-        p_identity text, p_legacy_identity text, p_queue text, p_key text, p_task_id bigint,
-        p_worker text
-    ) RETURNS TABLE (
-        attempt_id bigint, attempt_number integer, duplicate boolean, success_result jsonb,
-        abandoned_count bigint
-    )
-    LANGUAGE plpgsql AS $$
-    BEGIN
-        RETURN QUERY
+# The start of an attempt: the running records of its work marked abandoned, the work's
+# earlier records read, and its own record made.
+_BEGIN_ATTEMPT_QUERY = """\
         WITH abandoned AS (
             UPDATE {schema}.attempts AS a
             SET outcome = 'abandoned', finished_at = clock_timestamp()
@@ -1496,10 +1488,26 @@ _BEGIN_ATTEMPT_FUNCTION = """
         )
         SELECT began.id, began.attempt, began.skipped, (SELECT result FROM previous),
                (SELECT count(*) FROM abandoned)
-        FROM began;
+        FROM began"""
+_BEGIN_ATTEMPT_FUNCTION = (
+    """
+    CREATE FUNCTION {schema}.begin_attempt(
+        p_identity text, p_legacy_identity text, p_queue text, p_key text, p_task_id bigint,
+        p_worker text
+    ) RETURNS TABLE (
+        attempt_id bigint, attempt_number integer, duplicate boolean, success_result jsonb,
+        abandoned_count bigint
+    )
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        RETURN QUERY
+"""
+    + _BEGIN_ATTEMPT_QUERY
+    + """;
     END
     $$
 """
+)
 _CONCLUDE_CLAIM_AND_BEGIN = (
     """
     CREATE FUNCTION {schema}.conclude_claim_and_begin"""
@@ -1553,6 +1561,103 @@ _BEGUN_ATTEMPTS = (
     _CONCLUDE_CLAIM_AND_BEGIN,
     _DISCARD_BEGUN_ATTEMPT,
     "GRANT EXECUTE ON FUNCTION {schema}.discard_begun_attempt(bigint, bigint) TO PUBLIC",
+)
+
+# Migration 27: the conclusion that begins the next attempt as one function, and the
+# take-back fenced.
+# - conclude_claim_and_begin() ran conclude_and_claim() and begin_attempt() as functions of
+#   their own, each read back through a SELECT ... INTO from its rows, with a block each.
+#   Their statements now run in it directly: conclude_attempt(), then the claim
+#   (_CLAIM_ONE_UPDATE) and the start (_BEGIN_ATTEMPT_QUERY) in one block. A start that
+#   fails undoes the claim with it, and both are made apart (a row of NULLs, as for any
+#   claim not made); the start waits at most CLAIM_LOCK_TIMEOUT for a lock, as the claim
+#   does, while the attempt's locks are held.
+# - discard_begun_attempt() deleted a start record of any task whose id it was given, as the
+#   schema's owner, for every role. It now takes the lease's token too and deletes only
+#   while that lease holds the task (each caller takes a record back before concluding its
+#   lease), and only the roles grant_worker names may call it.
+_BEGIN_CLAIMED_ATTEMPT = (
+    _BEGIN_ATTEMPT_QUERY.replace("p_legacy_identity", "v_legacy_identity")
+    .replace("p_identity", "v_identity")
+    .replace("p_key", "idempotency_key")
+    .replace("p_task_id", "v_task_id")
+    + """
+        INTO attempt_id, attempt_number, duplicate, success_result, abandoned_count"""
+)
+_CONCLUDE_CLAIM_AND_BEGIN_V27 = (
+    """
+    CREATE OR REPLACE FUNCTION {schema}.conclude_claim_and_begin"""
+    + _CONCLUDE_AND_CLAIM_SIGNATURE
+    + """, attempt_id bigint, attempt_number integer,
+        duplicate boolean, success_result jsonb, abandoned_count bigint
+    )
+    LANGUAGE plpgsql AS $$
+    #variable_conflict use_column
+    DECLARE
+        v_lock_timeout text;
+        v_identity text;
+        v_legacy_identity text;
+        v_task_id bigint;
+    BEGIN
+        PERFORM {schema}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            RETURN NEXT;  -- a row of NULLs: the claim was not made
+            RETURN;
+        END IF;
+        v_lock_timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', '"""
+    + CLAIM_LOCK_TIMEOUT
+    + """', true);
+        BEGIN
+"""
+    + _CLAIM_ONE_UPDATE
+    + """, t.concurrency_key
+            INTO id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
+                 idempotency_key, lease_seconds, run_at, next_token_in, concurrency_key;
+            IF FOUND THEN
+                v_task_id := id;
+                v_identity := CASE WHEN idempotency_key IS NULL THEN 'task:' || id
+                                   ELSE 'queue:' || length(p_queue) || ':' || p_queue || ':'
+                                        || idempotency_key END;
+                v_legacy_identity := 'legacy:' || idempotency_key;
+"""
+    + _BEGIN_CLAIMED_ATTEMPT
+    + """;
+            END IF;
+        EXCEPTION WHEN OTHERS OR query_canceled THEN
+            PERFORM set_config('lock_timeout', v_lock_timeout, true);
+            RAISE WARNING 'the claim of the next task after task % failed (it is claimed '
+                'apart): %', p_task_id, SQLERRM;
+            id := NULL;
+            RETURN NEXT;  -- a row of NULLs: the claim was not made
+            RETURN;
+        END;
+        PERFORM set_config('lock_timeout', v_lock_timeout, true);
+        IF id IS NOT NULL THEN
+            RETURN NEXT;
+        END IF;
+    END
+    $$
+"""
+)
+_DISCARD_BEGUN_ATTEMPT_V27 = """
+    CREATE FUNCTION {schema}.discard_begun_attempt(
+        p_attempt_id bigint, p_task_id bigint, p_token bigint
+    ) RETURNS void
+    LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+        DELETE FROM {schema}.attempts AS a
+        WHERE a.id = p_attempt_id AND a.task_id = p_task_id
+          AND a.outcome IN ('running', 'skipped')
+          AND EXISTS (SELECT FROM {schema}.tasks AS t
+                      WHERE t.id = p_task_id AND t.lease_token = p_token
+                        AND t.status = 'processing')
+    $$
+"""
+_ONE_FUNCTION_AND_A_FENCED_TAKE_BACK = (
+    _CONCLUDE_CLAIM_AND_BEGIN_V27,
+    "DROP FUNCTION {schema}.discard_begun_attempt(bigint, bigint)",
+    _DISCARD_BEGUN_ATTEMPT_V27,
+    "REVOKE ALL ON FUNCTION {schema}.discard_begun_attempt(bigint, bigint, bigint) FROM PUBLIC",
 )
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -1921,6 +2026,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         26,
         "the next task's attempt begun in the commit that claims it",
         _BEGUN_ATTEMPTS,
+    ),
+    Migration(
+        27,
+        "the conclusion that begins the next attempt as one function, its take-back fenced",
+        _ONE_FUNCTION_AND_A_FENCED_TAKE_BACK,
     ),
 )
 

@@ -1051,8 +1051,11 @@ CONCLUDE_UNTOUCHED_ATTEMPT_AND_CLAIM = (
 CONCLUDE_ATTEMPT_AND_CLAIM = CONCLUDE_UNTOUCHED_ATTEMPT_AND_CLAIM + "; COMMIT; " + RESET_SESSION
 CONCLUDE_EMPTY_ATTEMPT_AND_CLAIM = "BEGIN; " + CONCLUDE_ATTEMPT_AND_CLAIM
 LEASE_GONE = "LQ001"
-# A start record begun with a claim (see above) that its lease did not use: taken back.
-DISCARD_BEGUN_ATTEMPT = "SELECT {schema}.discard_begun_attempt(%(attempt_id)s, %(task_id)s)"
+# A start record begun with a claim (see above) that its lease did not use: taken back,
+# while the lease (its task and token) still holds the task.
+DISCARD_BEGUN_ATTEMPT = (
+    "SELECT {schema}.discard_begun_attempt(%(attempt_id)s, %(task_id)s, %(token)s)"
+)
 # The unique index that allows one success per key.
 SUCCESS_INDEX = "attempts_success_idx"
 

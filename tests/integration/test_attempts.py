@@ -590,8 +590,7 @@ def test_the_attempts_start_reads_its_records_by_index_whatever_the_tables_size(
     for key in ("a", "b", "c", "d", "e"):  # the table when the start is first planned
         with queue.attempt(key):
             pass
-    body = migrations._BEGIN_ATTEMPT_FUNCTION
-    query = body[body.index("RETURN QUERY") + len("RETURN QUERY") : body.index(";\n    END")]
+    query = migrations._BEGIN_ATTEMPT_QUERY
     parameters = ["p_identity", "p_legacy_identity", "p_queue", "p_key", "p_task_id", "p_worker"]
     for number, name in enumerate(parameters, start=1):
         query = re.sub(rf"\b{name}\b", f"${number}", query)
@@ -698,11 +697,10 @@ def test_a_start_record_whose_worker_died_is_marked_abandoned_by_the_next_attemp
     assert outcomes == ["abandoned", "succeeded"]
 
 
-def test_a_start_that_fails_with_the_claim_is_made_apart_and_the_claim_stands(
-    queue: LeaseQueue,
-) -> None:
+def test_a_start_that_fails_in_the_claiming_commit_is_made_apart(queue: LeaseQueue) -> None:
     # A trigger of the caller's refuses start records made in the claiming commit: the
-    # conclusion and the claim still commit, and the attempt begins on its own.
+    # conclusion still commits, the next task is claimed apart, and its attempt begins on
+    # its own.
     run_sql(
         queue,
         """
@@ -724,3 +722,54 @@ def test_a_start_that_fails_with_the_claim_is_made_apart_and_the_claim_stands(
     with queue.attempt(lease=claimed) as attempt:
         assert attempt.number == 1
     assert [a.outcome for a in queue.attempts(task_id=claimed.task_id)] == ["succeeded"]
+
+
+def test_a_start_record_is_taken_back_only_under_the_lease_that_holds_its_task(
+    queue: LeaseQueue,
+) -> None:
+    _, claimed = _chain_to_second(queue)
+    (begun,) = queue.attempts(task_id=claimed.task_id)
+    run_sql(
+        queue,
+        "SELECT {schema}.discard_begun_attempt(%(attempt)s, %(task)s, %(token)s)",
+        {"attempt": begun.id, "task": claimed.task_id, "token": claimed.token + 1},
+    )
+    assert [a.id for a in queue.attempts(task_id=claimed.task_id)] == [begun.id]
+
+
+def test_a_start_that_waits_for_a_lock_in_the_claiming_commit_gives_way(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # Another session holds the running record of the next task's work (a paused attempt
+    # of an earlier claim, say). The start made with the claim would wait for it, holding
+    # the attempt's locks: it gives up after the claim's lock timeout, the conclusion
+    # commits, and the next task is claimed apart.
+    first = queue.enqueue({"n": 1})
+    second = queue.enqueue({"n": 2})
+    run_sql(
+        queue,
+        "INSERT INTO {schema}.attempts (identity, attempt, task_id, worker_id, outcome)"
+        " VALUES (%(identity)s, 1, %(task)s, 'paused', 'running')",
+        {"identity": f"task:{second}", "task": second},
+    )
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == first
+    with psycopg.connect(dsn) as holder:
+        holder.execute(
+            f'SELECT 1 FROM "{queue.schema}".attempts WHERE task_id = %s FOR UPDATE', (second,)
+        )
+        concluded: list[Attempt] = []
+
+        def conclude() -> None:
+            with queue.attempt(lease=lease, claim_next=True) as attempt:
+                pass
+            concluded.append(attempt)
+
+        thread = threading.Thread(target=conclude, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the conclusion waited for the record's lock"
+        holder.rollback()
+    (attempt,) = concluded
+    assert queue.get(first).status == "done"
+    assert attempt.claimed is not None and attempt.claimed.task_id == second

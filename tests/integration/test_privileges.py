@@ -85,3 +85,15 @@ def test_the_worker_role_runs_claim_ack_renew_attempt_and_sweep(
             with pytest.raises(LeaseQueueError, match=r"permission denied|must be owner"):
                 forbidden()
     assert run_sql(queue, "SELECT count(*) FROM {schema}.tasks")[0][0] == 7
+
+
+def test_a_role_without_the_worker_grants_cannot_take_back_start_records(
+    dsn: str, queue: LeaseQueue, worker_role: str
+) -> None:
+    # discard_begun_attempt() deletes as the schema's owner: only grant_worker's roles call it.
+    run_sql(queue, f"GRANT USAGE ON SCHEMA {{schema}} TO {worker_role}")
+    with (
+        psycopg.connect(make_conninfo(dsn, user=worker_role)) as conn,
+        pytest.raises(psycopg.errors.InsufficientPrivilege),
+    ):
+        conn.execute(f'SELECT "{queue.schema}".discard_begun_attempt(1, 1, 1)')

@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
         "_raise_lost_on",
         "_begin_attempt_with",
         "_take_begun_attempt",
-        "_discard_begun_attempt",
+        "_discard_attempt_record",
     },
     "queue.py": {"_mark_acked"},
     # The renewal thread is part of the Lease it renews (same module), and so is the
@@ -42,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
         "_lost",
         "_begun_attempt",
         "_discard_begun_attempt",
+        "_lock",
     },
     # The hot path borrows a connection without a frame of its own (same module); psycopg
     # has no public way to name the connection's encoding for a raw error result.

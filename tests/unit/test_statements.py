@@ -191,6 +191,7 @@ def test_the_columns_the_hot_paths_read_by_position() -> None:
     assert _flat(sql.BEGIN_ATTEMPT).startswith("SELECT b.*, set_config(")
     claimed_and_begun = _table_columns(migrations._CONCLUDE_CLAIM_AND_BEGIN)
     assert claimed_and_begun[attempts._BEGUN_COLUMN :] == begun
+    assert _table_columns(migrations._CONCLUDE_CLAIM_AND_BEGIN_V27) == claimed_and_begun
     claimed = [column.split()[0] for column in claimed_and_begun[: attempts._BEGUN_COLUMN]]
     assert claimed == [item.split()[-1].split(".")[-1] for item in _returned(sql.CLAIM_ONE)]
 
