@@ -908,19 +908,9 @@ _KEY_RUNNING_TRIGGER = (
 )
 
 
-# The plain claim of one task (sql.CLAIM_ONE, its parameters named), as claim_one() and
-# conclude_and_claim() run it, up to the concurrency key that only the second returns.
-_CLAIM_ONE_UPDATE = """\
-            UPDATE {schema}.tasks AS t
-            SET status = 'processing',
-                attempts = t.attempts + 1,
-                lease_token = nextval({lease_tokens}::regclass),
-                lease_expires_at = clock_timestamp()
-                    + make_interval(
-                        secs => coalesce(p_lease, t.lease_seconds, p_default_lease)),
-                worker_id = p_worker,
-                updated_at = clock_timestamp()
-            WHERE t.id = (
+# The pick of the plain claim of one task (sql.CLAIM_ONE's, its parameters named): the
+# claim below, and the keyless ack and claim of an attempt's conclusion (migration 28).
+_PICK_ONE = """\
                 SELECT id FROM {schema}.tasks
                 WHERE status = 'enqueued' AND queue = p_queue AND run_at <= clock_timestamp()
                   AND NOT EXISTS (
@@ -931,11 +921,29 @@ _CLAIM_ONE_UPDATE = """\
                 ORDER BY priority DESC, run_at, id
                 LIMIT 1
                 FOR UPDATE SKIP LOCKED
-            )
+"""
+# The plain claim of one task (sql.CLAIM_ONE, its parameters named), as claim_one() and
+# conclude_and_claim() run it, up to the concurrency key that only the second returns.
+_CLAIM_ONE_UPDATE = (
+    """\
+            UPDATE {schema}.tasks AS t
+            SET status = 'processing',
+                attempts = t.attempts + 1,
+                lease_token = nextval({lease_tokens}::regclass),
+                lease_expires_at = clock_timestamp()
+                    + make_interval(
+                        secs => coalesce(p_lease, t.lease_seconds, p_default_lease)),
+                worker_id = p_worker,
+                updated_at = clock_timestamp()
+            WHERE t.id = (
+"""
+    + _PICK_ONE
+    + """            )
             RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
                       t.lease_expires_at, t.idempotency_key,
                       coalesce(p_lease, t.lease_seconds, p_default_lease) AS lease_seconds,
                       t.run_at, NULL::double precision AS next_token_in"""
+)
 
 # The plain claim of one task (sql.CLAIM_ONE, its parameters named), for a claim sent in a
 # simple query of several statements: an attempt's conclusion that claims the next task.
@@ -1584,9 +1592,12 @@ _BEGIN_CLAIMED_ATTEMPT = (
     + """
         INTO attempt_id, attempt_number, duplicate, success_result, abandoned_count"""
 )
-_CONCLUDE_CLAIM_AND_BEGIN_V27 = (
+# conclude_claim_and_begin() from migration 27 on: its head, with ``{declare}`` for more
+# variables; its lock timeout for the claim; the start of the claimed task's attempt, once
+# ``id`` holds it, with the block's handler; and its end.
+_CONCLUDE_CLAIM_AND_BEGIN_HEAD = (
     """
-    CREATE OR REPLACE FUNCTION {schema}.conclude_claim_and_begin"""
+    CREATE OR REPLACE FUNCTION {{schema}}.conclude_claim_and_begin"""
     + _CONCLUDE_AND_CLAIM_SIGNATURE
     + """, attempt_id bigint, attempt_number integer,
         duplicate boolean, success_result jsonb, abandoned_count bigint
@@ -1597,25 +1608,20 @@ _CONCLUDE_CLAIM_AND_BEGIN_V27 = (
         v_lock_timeout text;
         v_identity text;
         v_legacy_identity text;
-        v_task_id bigint;
+        v_task_id bigint;{declare}
     BEGIN
-        PERFORM {schema}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
-        IF current_setting('transaction_isolation') <> 'read committed' THEN
-            RETURN NEXT;  -- a row of NULLs: the claim was not made
-            RETURN;
-        END IF;
-        v_lock_timeout := current_setting('lock_timeout');
+"""
+)
+_CLAIM_LOCK_TIMEOUT_SET = (
+    """        v_lock_timeout := current_setting('lock_timeout');
         PERFORM set_config('lock_timeout', '"""
     + CLAIM_LOCK_TIMEOUT
     + """', true);
         BEGIN
 """
-    + _CLAIM_ONE_UPDATE
-    + """, t.concurrency_key
-            INTO id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
-                 idempotency_key, lease_seconds, run_at, next_token_in, concurrency_key;
-            IF FOUND THEN
-                v_task_id := id;
+)
+_BEGIN_CLAIMED_ATTEMPT_THEN_HANDLE = (
+    """                v_task_id := id;
                 v_identity := CASE WHEN idempotency_key IS NULL THEN 'task:' || id
                                    ELSE 'queue:' || length(p_queue) || ':' || p_queue || ':'
                                         || idempotency_key END;
@@ -1626,8 +1632,13 @@ _CONCLUDE_CLAIM_AND_BEGIN_V27 = (
             END IF;
         EXCEPTION WHEN OTHERS OR query_canceled THEN
             PERFORM set_config('lock_timeout', v_lock_timeout, true);
+"""
+)
+_CLAIM_NOT_MADE_WARNING = """\
             RAISE WARNING 'the claim of the next task after task % failed (it is claimed '
                 'apart): %', p_task_id, SQLERRM;
+"""
+_CONCLUDE_CLAIM_AND_BEGIN_END = """\
             id := NULL;
             RETURN NEXT;  -- a row of NULLs: the claim was not made
             RETURN;
@@ -1639,6 +1650,24 @@ _CONCLUDE_CLAIM_AND_BEGIN_V27 = (
     END
     $$
 """
+_CONCLUDE_CLAIM_AND_BEGIN_V27 = (
+    _CONCLUDE_CLAIM_AND_BEGIN_HEAD.format(declare="")
+    + """        PERFORM {schema}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            RETURN NEXT;  -- a row of NULLs: the claim was not made
+            RETURN;
+        END IF;
+"""
+    + _CLAIM_LOCK_TIMEOUT_SET
+    + _CLAIM_ONE_UPDATE
+    + """, t.concurrency_key
+            INTO id, payload, priority, attempts, max_attempts, lease_token, lease_expires_at,
+                 idempotency_key, lease_seconds, run_at, next_token_in, concurrency_key;
+            IF FOUND THEN
+"""
+    + _BEGIN_CLAIMED_ATTEMPT_THEN_HANDLE
+    + _CLAIM_NOT_MADE_WARNING
+    + _CONCLUDE_CLAIM_AND_BEGIN_END
 )
 _DISCARD_BEGUN_ATTEMPT_V27 = """
     CREATE FUNCTION {schema}.discard_begun_attempt(
@@ -1658,6 +1687,83 @@ _ONE_FUNCTION_AND_A_FENCED_TAKE_BACK = (
     "DROP FUNCTION {schema}.discard_begun_attempt(bigint, bigint)",
     _DISCARD_BEGUN_ATTEMPT_V27,
     "REVOKE ALL ON FUNCTION {schema}.discard_begun_attempt(bigint, bigint, bigint) FROM PUBLIC",
+)
+
+# Migration 28: the ack and the claim in conclude_claim_and_begin() as one UPDATE. The
+# attempt's conclusion ran the fenced ack (conclude_attempt()) and then the claim, two
+# UPDATEs of tasks, each set up on its own; the worker loop's keyless ack and claim is one
+# UPDATE of both rows (sql.ACK_KEYLESS_AND_CLAIM, migration 25), and so is this one, its
+# parameters named (tests/unit/test_statements.py holds the two alike). The success mark
+# comes first, on its own. When the acked row is not among those moved, the fence failed:
+# LQ001 is raised, the claim is undone with the block and the conclusion fails, as before.
+# When the claim fails (a trigger of the caller's, a lock wait past CLAIM_LOCK_TIMEOUT), the
+# ack goes with it, and is made again alone (conclude_attempt()) before the row of NULLs
+# that has the next task claimed apart: a claim that fails still costs the conclusion
+# nothing.
+_ACK_KEYLESS_AND_CLAIM_IN_A_FUNCTION = (
+    """\
+        WITH picked AS (
+"""
+    + _PICK_ONE
+    + """\
+        ), moved AS (
+        UPDATE {schema}.tasks AS t
+        SET status = CASE WHEN t.id = p_task_id THEN 'done' ELSE 'processing' END,
+            result = CASE WHEN t.id = p_task_id THEN p_result ELSE t.result END,
+            attempts = CASE WHEN t.id = p_task_id THEN t.attempts ELSE t.attempts + 1 END,
+            lease_token = CASE WHEN t.id = p_task_id THEN t.lease_token
+                               ELSE nextval({lease_tokens}::regclass) END,
+            lease_expires_at = CASE WHEN t.id = p_task_id THEN NULL ELSE clock_timestamp()
+                + make_interval(
+                    secs => coalesce(p_lease, t.lease_seconds, p_default_lease)) END,
+            worker_id = CASE WHEN t.id = p_task_id THEN t.worker_id ELSE p_worker END,
+            finished_at = CASE WHEN t.id = p_task_id THEN clock_timestamp()
+                               ELSE t.finished_at END,
+            updated_at = clock_timestamp()
+        WHERE t.id = ANY (ARRAY[p_task_id, (SELECT id FROM picked)])
+          AND (t.id <> p_task_id
+               OR (id = p_task_id AND lease_token = p_token AND status = 'processing'))
+        RETURNING t.id, t.payload, t.priority, t.attempts, t.max_attempts, t.lease_token,
+                  t.lease_expires_at, t.idempotency_key,
+                  coalesce(p_lease, t.lease_seconds, p_default_lease) AS lease_seconds,
+                  t.run_at, NULL::double precision AS next_token_in, t.concurrency_key
+        )"""
+)
+_CONCLUDE_CLAIM_AND_BEGIN_V28 = (
+    _CONCLUDE_CLAIM_AND_BEGIN_HEAD.format(declare="\n        v_acked boolean;")
+    + """        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            PERFORM {schema}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
+            RETURN NEXT;  -- a row of NULLs: the claim was not made
+            RETURN;
+        END IF;
+        PERFORM {schema}.conclude_attempt(p_attempt_id, NULL, NULL, p_result);
+"""
+    + _CLAIM_LOCK_TIMEOUT_SET
+    + _ACK_KEYLESS_AND_CLAIM_IN_A_FUNCTION
+    + """
+        SELECT EXISTS (SELECT FROM moved AS a WHERE a.id = p_task_id), c.id, c.payload,
+               c.priority, c.attempts, c.max_attempts, c.lease_token, c.lease_expires_at,
+               c.idempotency_key, c.lease_seconds, c.run_at, c.next_token_in,
+               c.concurrency_key
+        INTO v_acked, id, payload, priority, attempts, max_attempts, lease_token,
+             lease_expires_at, idempotency_key, lease_seconds, run_at, next_token_in,
+             concurrency_key
+        FROM (SELECT) AS one LEFT JOIN moved AS c ON c.id <> p_task_id;
+            IF NOT v_acked THEN
+                RAISE EXCEPTION 'the lease on task % under token % is gone', p_task_id, p_token
+                    USING ERRCODE = 'LQ001';
+            END IF;
+            IF id IS NOT NULL THEN
+"""
+    + _BEGIN_CLAIMED_ATTEMPT_THEN_HANDLE
+    + """            IF SQLSTATE = 'LQ001' THEN
+                RAISE;
+            END IF;
+"""
+    + _CLAIM_NOT_MADE_WARNING
+    + """            PERFORM {schema}.conclude_attempt(NULL, p_task_id, p_token, p_result);
+"""
+    + _CONCLUDE_CLAIM_AND_BEGIN_END
 )
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -2031,6 +2137,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         27,
         "the conclusion that begins the next attempt as one function, its take-back fenced",
         _ONE_FUNCTION_AND_A_FENCED_TAKE_BACK,
+    ),
+    Migration(
+        28,
+        "the ack and the claim of an attempt's conclusion as one update",
+        (_CONCLUDE_CLAIM_AND_BEGIN_V28,),
     ),
 )
 

@@ -83,6 +83,25 @@ def test_the_claim_that_commits_with_an_attempt_is_the_plain_claim_of_one_task()
         assert "CLAIM_ONE" not in body and "%(" not in body
 
 
+def test_the_conclusion_that_begins_the_next_attempt_acks_and_claims_as_the_worker_loop() -> None:
+    # conclude_claim_and_begin() (migration 27) runs sql.CLAIM_ONE whole, and from migration
+    # 28 on, the keyless ack and claim of the worker loop (sql.ACK_KEYLESS_AND_CLAIM) up to
+    # its final SELECT, its parameters named.
+    (v27, *_) = migrations.MIGRATIONS[26].statements
+    assert _in_a_function(sql.CLAIM_ONE) + " INTO id," in _parenthesised(v27)
+    (v28,) = migrations.MIGRATIONS[27].statements
+    keyless = sql.ACK_KEYLESS_AND_CLAIM
+    moved = _in_a_function(keyless[: keyless.index("SELECT id, CASE")])
+    moved = (
+        moved.replace("%(task_id)s::bigint", "p_task_id")
+        .replace("%(task_id)s", "p_task_id")
+        .replace("%(result)s::jsonb", "p_result")
+        .replace("%(token)s", "p_token")
+    )
+    assert moved in _parenthesised(v28)
+    assert "%(" not in v28
+
+
 def _in_a_function(claim: str) -> str:
     """A claim as a function runs it: its parameters named, its limit 1."""
     return _parenthesised(
