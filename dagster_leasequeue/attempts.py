@@ -16,6 +16,7 @@ import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import psycopg
@@ -296,8 +297,8 @@ def _run(
             raise
         finally:
             conn.attempt_settings = None
-            if not conn.closed:
-                conn.autocommit = True
+            if not conn.closed and not conn.autocommit:
+                conn.autocommit = True  # psycopg's setter costs a call even when unchanged
     except _SucceededElsewhere:
         _adopt_success(conn, driver, attempt, lease)
     except (TransactionAbandoned, pg_errors.IdleInTransactionSessionTimeout):
@@ -341,6 +342,7 @@ def _conclusion_script(empty: bool, untouched: bool, claim: _NextClaim | None) -
     return sql.CONCLUDE_ATTEMPT
 
 
+@lru_cache(maxsize=64)
 def _attempt_settings(idle_timeout: float) -> bytes:
     milliseconds = min(int(idle_timeout * 1000), sql.MAX_TIMEOUT_MILLISECONDS)
     return sql.ATTEMPT_SETTINGS.format(milliseconds=milliseconds).encode()
