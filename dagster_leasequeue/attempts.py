@@ -284,6 +284,8 @@ def _run(
             empty = conn.pgconn.transaction_status == _IDLE
             # Nor did it change the session, when it made no round trip on the connection
             # (psycopg counts its setters, autocommit's too, as round trips: set below).
+            # Every psycopg call passes through wait(); only libpq driven directly
+            # (attempt.connection.pgconn) would go unseen.
             untouched = empty and conn.round_trips == round_trips
             if empty:
                 # The work ran no statement (a duplicate, or effects kept elsewhere): no
