@@ -1620,7 +1620,7 @@ _CLAIM_LOCK_TIMEOUT_SET = (
         BEGIN
 """
 )
-_BEGIN_CLAIMED_ATTEMPT_THEN_HANDLE = (
+_BEGIN_CLAIMED_ATTEMPT_IF_CLAIMED = (
     """                v_task_id := id;
                 v_identity := CASE WHEN idempotency_key IS NULL THEN 'task:' || id
                                    ELSE 'queue:' || length(p_queue) || ':' || p_queue || ':'
@@ -1630,9 +1630,16 @@ _BEGIN_CLAIMED_ATTEMPT_THEN_HANDLE = (
     + _BEGIN_CLAIMED_ATTEMPT
     + """;
             END IF;
+"""
+)
+_HANDLED = """\
         EXCEPTION WHEN OTHERS OR query_canceled THEN
+"""
+_LOCK_TIMEOUT_RESTORED = """\
             PERFORM set_config('lock_timeout', v_lock_timeout, true);
 """
+_BEGIN_CLAIMED_ATTEMPT_THEN_HANDLE = (
+    _BEGIN_CLAIMED_ATTEMPT_IF_CLAIMED + _HANDLED + _LOCK_TIMEOUT_RESTORED
 )
 _CLAIM_NOT_MADE_WARNING = """\
             RAISE WARNING 'the claim of the next task after task % failed (it is claimed '
@@ -1729,9 +1736,8 @@ _ACK_KEYLESS_AND_CLAIM_IN_A_FUNCTION = (
                   t.run_at, NULL::double precision AS next_token_in, t.concurrency_key
         )"""
 )
-_CONCLUDE_CLAIM_AND_BEGIN_V28 = (
-    _CONCLUDE_CLAIM_AND_BEGIN_HEAD.format(declare="\n        v_acked boolean;")
-    + """        IF current_setting('transaction_isolation') <> 'read committed' THEN
+_ACK_AND_CLAIM_THEN_FENCE = (
+    """        IF current_setting('transaction_isolation') <> 'read committed' THEN
             PERFORM {schema}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
             RETURN NEXT;  -- a row of NULLs: the claim was not made
             RETURN;
@@ -1755,6 +1761,10 @@ _CONCLUDE_CLAIM_AND_BEGIN_V28 = (
             END IF;
             IF id IS NOT NULL THEN
 """
+)
+_CONCLUDE_CLAIM_AND_BEGIN_V28 = (
+    _CONCLUDE_CLAIM_AND_BEGIN_HEAD.format(declare="\n        v_acked boolean;")
+    + _ACK_AND_CLAIM_THEN_FENCE
     + _BEGIN_CLAIMED_ATTEMPT_THEN_HANDLE
     + """            IF SQLSTATE = 'LQ001' THEN
                 RAISE;
@@ -1763,6 +1773,34 @@ _CONCLUDE_CLAIM_AND_BEGIN_V28 = (
     + _CLAIM_NOT_MADE_WARNING
     + """            PERFORM {schema}.conclude_attempt(NULL, p_task_id, p_token, p_result);
 """
+    + _CONCLUDE_CLAIM_AND_BEGIN_END
+)
+
+# Migration 29: a cancel that cuts conclude_claim_and_begin()'s ack and claim is not
+# waited out. Since migration 28 the ack runs in the block whose handler makes it again
+# alone when the claim fails. A cancel (the work's statement timeout, or the client's
+# bound on its wait: bounded.py) fires once; when it cut an ack that waited for a row
+# another session holds, the ack made again after it would wait for that row without
+# bound. After a cancel, the ack made alone keeps the claim's lock timeout, and fails the
+# conclusion when it would wait longer.
+_CONCLUDE_CLAIM_AND_BEGIN_V29 = (
+    _CONCLUDE_CLAIM_AND_BEGIN_HEAD.format(declare="\n        v_acked boolean;")
+    + _ACK_AND_CLAIM_THEN_FENCE
+    + _BEGIN_CLAIMED_ATTEMPT_IF_CLAIMED
+    + _HANDLED
+    + """            IF SQLSTATE = 'LQ001' THEN
+                RAISE;
+            END IF;
+            IF SQLSTATE <> '57014' THEN  -- query_canceled: keep the claim's lock timeout
+"""
+    + "    "
+    + _LOCK_TIMEOUT_RESTORED
+    + """            END IF;
+            RAISE WARNING 'the ack and claim after task % failed (the ack is made alone, '
+                'the next task claimed apart): %', p_task_id, SQLERRM;
+            PERFORM {schema}.conclude_attempt(NULL, p_task_id, p_token, p_result);
+"""
+    + _LOCK_TIMEOUT_RESTORED
     + _CONCLUDE_CLAIM_AND_BEGIN_END
 )
 
@@ -2142,6 +2180,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         28,
         "the ack and the claim of an attempt's conclusion as one update",
         (_CONCLUDE_CLAIM_AND_BEGIN_V28,),
+    ),
+    Migration(
+        29,
+        "a cancel that cuts the ack and claim of an attempt's conclusion is not waited out",
+        (_CONCLUDE_CLAIM_AND_BEGIN_V29,),
     ),
 )
 

@@ -17,6 +17,7 @@ from dagster_leasequeue import (
     Lease,
     LeaseLost,
     LeaseQueue,
+    LeaseQueueError,
     LeaseQueueSettings,
     run_worker,
 )
@@ -736,3 +737,52 @@ def test_ack_many_and_claim_refuses_a_lease_given_twice(queue: LeaseQueue) -> No
     with pytest.raises(ConfigurationError, match="same lease twice"):
         queue.ack_many_and_claim([leases[0], leases[0], leases[1]], limit=1)
     assert statuses(queue) == {"processing": 2, "enqueued": 1}
+
+
+def test_a_statement_timeout_that_cuts_the_ack_of_a_conclusion_is_not_waited_out(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # The ack made with the claim waits for its row, which another session holds, until the
+    # work's statement timeout cuts it. The conclusion then fails at once (the ack made
+    # again alone keeps the claim's lock timeout), not when the row is let go: the work's
+    # timeout holds, and nothing is written.
+    run_sql(queue, "CREATE TABLE {schema}.effects (task_id bigint PRIMARY KEY)")
+    first, _ = queue.enqueue_many([{"n": 1}, {"n": 2}])
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == first and lease.keyless
+    errors: list[BaseException] = []
+
+    def conclude() -> None:
+        try:
+            _conclude_with_an_effect(queue, lease, "SET LOCAL statement_timeout = '50ms'")
+        except LeaseQueueError as exc:
+            errors.append(exc)
+
+    concluding = f"%{queue.schema}%conclude_claim_and_begin%"
+
+    def concluding_now(watcher: psycopg.Connection[Any]) -> bool:
+        row = watcher.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE %s",
+            (concluding,),
+        ).fetchone()
+        return row != (0,)
+
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as watcher:
+        holder.execute(f'SELECT 1 FROM "{queue.schema}".tasks WHERE id = %s FOR UPDATE', (first,))
+        worker = threading.Thread(target=conclude, daemon=True)
+        worker.start()
+        for _ in range(200):  # until the conclusion runs (or has already ended)
+            if concluding_now(watcher):
+                break
+            threading.Event().wait(0.02)
+        ended = False
+        for _ in range(100):  # up to 5 s, where the lease's bound on the wait is 30 s
+            if not concluding_now(watcher):
+                ended = True
+                break
+            threading.Event().wait(0.05)
+        holder.rollback()
+        worker.join(timeout=60)
+    assert ended, "the conclusion waited for the row after the work's timeout cut it"
+    assert errors, "the conclusion failed"
+    assert run_sql(queue, "SELECT count(*) FROM {schema}.effects") == [(0,)]
