@@ -234,8 +234,10 @@ class Lease:
             self._discard_attempt_record(conn, row)
 
     def _discard_attempt_record(self, conn: Executor | CachedConnection, row: Row) -> None:
-        """Take back the start record ``row`` (see :meth:`_discard_begun_attempt`). A failure
-        is logged, and leaves the record to be marked abandoned by the task's next attempt."""
+        """Take back the start record ``row`` (see :meth:`_discard_begun_attempt`). A call
+        that fails is logged, and leaves the record to be marked abandoned by the task's
+        next attempt; under a lease that no longer holds the task it deletes nothing, and
+        the conclusion that follows reports the lost lease."""
         try:
             with self._driver.errors:
                 conn.execute(
