@@ -163,7 +163,7 @@ def run_attempt(
     conn = cached.conn
     session_reset = False
     try:
-        row = _begun(cached, target, lease)
+        row = _begun(cached, target, lease, worker_id)
         if row is None:
             with driver.errors:
                 (row,) = cached.rows(
@@ -199,14 +199,17 @@ def run_attempt(
             reset_session(conn, driver.statement(sql.RESET_SESSION))
 
 
-def _begun(cached: CachedConnection, target: AttemptTarget, lease: Lease | None) -> Row | None:
+def _begun(
+    cached: CachedConnection, target: AttemptTarget, lease: Lease | None, worker_id: str
+) -> Row | None:
     """The start record the claim of ``lease`` made, when this attempt is at the task's own
-    work (sql.CONCLUDE_ATTEMPT_AND_CLAIM); else None, and a record made for the task's work
-    is taken back (an attempt at a key of the caller's is other work)."""
+    work, by the claim's worker (sql.CONCLUDE_ATTEMPT_AND_CLAIM); else None, and the record
+    is taken back (an attempt at a key of the caller's is other work, and one that names
+    another worker records it)."""
     if lease is None:
         return None
     row = lease._take_begun_attempt()
-    if row is not None and target != attempt_target(None, lease):
+    if row is not None and (target != attempt_target(None, lease) or worker_id != lease.worker_id):
         lease._discard_attempt_record(cached, row)
         return None
     return row

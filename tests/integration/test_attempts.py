@@ -661,6 +661,16 @@ def test_a_task_whose_work_succeeded_is_claimed_with_its_attempt_a_duplicate(
     assert outcomes == ["succeeded", "skipped"]
 
 
+def test_an_attempt_that_names_another_worker_records_it(queue: LeaseQueue) -> None:
+    # The start record made with the claim names the claim's worker: an attempt on the
+    # lease under another worker id makes its own record, and the claim's is taken back.
+    _, claimed = _chain_to_second(queue)
+    with queue.attempt(lease=claimed, worker_id="another-worker") as attempt:
+        assert attempt.number == 1
+    records = queue.attempts(task_id=claimed.task_id)
+    assert [(r.worker_id, r.outcome) for r in records] == [("another-worker", "succeeded")]
+
+
 @pytest.mark.parametrize("ending", ["ack", "fail", "release", "ack_many", "keyed attempt"])
 def test_a_start_record_that_its_lease_did_not_use_is_taken_back(
     queue: LeaseQueue, ending: str
