@@ -377,8 +377,7 @@ def _conclude(
     One round trip (``script``: see sql.CONCLUDE_ATTEMPT), which tells whether its commit
     went through; the commit happens only if the mark and the ack both went through. A
     conclusion of one statement (_ALONE) is sent as the worker loop's statements are, and
-    commits when it succeeds. The
-    claim comes before that commit, undone alone when it fails
+    commits when it succeeds. The claim comes before that commit
     (sql.CONCLUDE_ATTEMPT_AND_CLAIM), or after it: either way a claim that fails (a
     conflict, a timeout) costs the attempt nothing, and no next task comes with it (the
     first kind is made again apart: see _NextClaim.lease).
@@ -398,11 +397,11 @@ def _conclude(
         claim.sent = time.monotonic()
     try:
         if alone:
-            outcome = ScriptOutcome([cached.rows(text, params)], True, None)
+            rows = cached.rows(text, params)
         else:
             outcome = cached.run_script(text, params)
-        if outcome.error is not None and not outcome.committed:
-            raise outcome.error
+            if outcome.error is not None and not outcome.committed:
+                raise outcome.error
     except psycopg.Error as exc:
         # Only the success index means another attempt won; the caller's own unique
         # constraints (deferred ones fail at COMMIT) are errors like any other.
@@ -435,7 +434,7 @@ def _conclude(
             raise
     if alone:
         if claim is not None:
-            claim.rows = outcome.rows[0]
+            claim.rows = rows
         return True
     return _committed(cached, outcome, claim, attempt, lease)
 

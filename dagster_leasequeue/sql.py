@@ -1032,14 +1032,15 @@ CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 #
 # For a lease whose task has no concurrency key, on a queue the plain claim takes, the
 # claim commits with the attempt instead, one commit to wait for and not two: the
-# conclusion and the claim are one function (migrations 21 and 22), which also begins the
-# claimed task's attempt (migration 26: an attempt on its lease then takes that start
-# record, and makes no round trip of its own to begin), before the COMMIT, and
+# conclusion and the claim are one function, conclude_claim_and_begin() (migrations 26 to
+# 29), which also begins the claimed task's attempt (an attempt on its lease then takes
+# that start record, and makes no round trip of its own to begin), before the COMMIT, and
 # the session's reset follows it, as it follows any conclusion (so a deferred trigger of
 # the borrower's still runs with its settings and role, and its advisory locks hold until
 # the commit). The claim is made in READ COMMITTED only, waits for no lock longer than
-# migrations.CLAIM_LOCK_TIMEOUT, and a claim that fails is undone alone: with a row of
-# NULLs back, the client claims the next task apart (attempts._NextClaim). The claim's rows
+# migrations.CLAIM_LOCK_TIMEOUT, and a claim that fails costs the conclusion nothing (the
+# ack, undone with it, is made again alone): with a row of NULLs back, the client claims
+# the next task apart (attempts._NextClaim). The claim's rows
 # come back before the reset's: a reset that fails after the commit leaves them read
 # (CachedConnection.run_script), so a committed claim is never dropped. A task with a key
 # concludes apart, as above: the ack holds its key's row until the commit, and a claim
