@@ -933,8 +933,8 @@ DEAD_WITH_KEY_TAKEN = (
 # Rows of the key still 'running' belong to an attempt that died, or to one still under
 # way elsewhere (a zombie and its replacement, say): both are marked abandoned; one that is
 # in fact alive sets its own outcome when it ends. Then the key's success, if any, and a
-# new row recording this attempt: begin_attempt() (migration 26), which the commit that
-# claims a task also runs for it when an attempt's conclusion claims the next task.
+# new row recording this attempt: begin_attempt() (migrations 26 and 30), which the commit
+# that claims a task also runs for it when an attempt's conclusion claims the next task.
 #
 # Its commit does not wait for the disk (synchronous_commit off, for this transaction
 # only): a crash of the server may lose this start record and the abandoned marks, which

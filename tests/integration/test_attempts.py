@@ -527,6 +527,29 @@ def test_the_migration_keeps_what_attempt_records_mean(
         assert attempt.duplicate
 
 
+@pytest.mark.parametrize("begun", ["apart", "with_the_claim"])
+def test_a_running_record_of_an_earlier_release_is_counted_not_marked_abandoned(
+    queue: LeaseQueue, begun: str
+) -> None:
+    # The start reads the key's records of an earlier release (migration 5) beside those of
+    # its own identity, but marks abandoned only running records of its own: a worker of
+    # the earlier release may still be at work on its record during a rolling upgrade.
+    run_sql(
+        queue,
+        "INSERT INTO {schema}.attempts (key, attempt, outcome) VALUES ('invoice-7', 1, 'running')",
+    )
+    if begun == "apart":
+        queue.enqueue({"n": 1}, idempotency_key="invoice-7")
+        lease = queue.claim()
+    else:
+        _, lease = _chain_to_second(queue, idempotency_key="invoice-7")
+    assert lease is not None
+    with queue.attempt(lease=lease) as attempt:
+        assert (attempt.number, attempt.abandoned, attempt.duplicate) == (2, 0, False)
+    assert [r.outcome for r in queue.attempts("invoice-7")] == ["running"]
+    assert [r.outcome for r in queue.attempts(task_id=lease.task_id)] == ["running", "succeeded"]
+
+
 def test_a_connection_lost_inside_an_attempt_raises_database_unavailable(
     queue: LeaseQueue, dsn: str
 ) -> None:
@@ -582,32 +605,37 @@ def test_a_connection_cut_right_after_the_commit_leaves_the_attempt_concluded(
 def test_the_attempts_start_reads_its_records_by_index_whatever_the_tables_size(
     queue: LeaseQueue, dsn: str
 ) -> None:
-    # The start (begin_attempt(), migration 26) keeps its statement's plan for the session,
-    # and its generic plan is made while the table is nearly empty; with no ANALYZE after
-    # (autovacuum off, or not yet run) that plan stays. A sequential read of every record
-    # would then make each attempt slower than the one before. The function's statement is
-    # prepared here with its parameters' types, as PL/pgSQL prepares it.
+    # The start (begin_attempt(), migration 30) keeps its statements' plans for the session,
+    # and their generic plans are made while the table is nearly empty; with no ANALYZE after
+    # (autovacuum off, or not yet run) those plans stay. A sequential read of every record
+    # would then make each attempt slower than the one before. Each statement that reads
+    # records (the look-ups with and without an earlier release's identity, the running
+    # records marked abandoned) is prepared here with its parameters' types, as PL/pgSQL
+    # prepares it.
     for key in ("a", "b", "c", "d", "e"):  # the table when the start is first planned
         with queue.attempt(key):
             pass
-    query = migrations._BEGIN_ATTEMPT_QUERY
-    parameters = ["p_identity", "p_legacy_identity", "p_queue", "p_key", "p_task_id", "p_worker"]
-    for number, name in enumerate(parameters, start=1):
-        query = re.sub(rf"\b{name}\b", f"${number}", query)
+    reads = re.findall(
+        r"^ *(SELECT count\(\*\).*?|UPDATE .*?);$",
+        migrations._BEGIN_ATTEMPT_STATEMENTS,
+        flags=re.DOTALL | re.MULTILINE,
+    )
+    assert len(reads) == 3, reads
     with psycopg.connect(dsn) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")
-        conn.execute(
-            "PREPARE begin_attempt (text, text, text, text, bigint, text) AS "
-            + query.replace("{schema}", f'"{queue.schema}"')
-        )
-        plan = "\n".join(
-            row[0]
-            for row in conn.execute(
-                "EXPLAIN EXECUTE begin_attempt(NULL, NULL, NULL, NULL, NULL, NULL)"
+        for number, read in enumerate(reads):
+            query = re.sub(r"^ *INTO .*$", "", read, flags=re.MULTILINE)
+            for parameter, name in enumerate(("p_identity", "p_legacy_identity", "v_running")):
+                query = re.sub(rf"\b{name}\b", f"${parameter + 1}", query)
+            conn.execute(
+                f"PREPARE read_{number} (text, text, bigint[]) AS "
+                + query.replace("{schema}", f'"{queue.schema}"')
             )
-        )
+            plan = "\n".join(
+                row[0] for row in conn.execute(f"EXPLAIN EXECUTE read_{number}(NULL, NULL, NULL)")
+            )
+            assert "Index" in plan and "Seq Scan on attempts" not in plan, plan
         conn.rollback()
-    assert "Index" in plan and "Seq Scan on attempts" not in plan, plan
 
 
 def _chain_to_second(queue: LeaseQueue, **second: object) -> tuple[int, Lease]:
