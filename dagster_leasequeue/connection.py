@@ -240,6 +240,18 @@ class QueueConnection(psycopg.Connection[Any]):
         super().remove_notify_handler(callback)
         self._notify_handlers_added = _without(self._notify_handlers_added, callback)
 
+    def set_autocommit(self, value: bool) -> None:
+        # psycopg sends the change through wait() as a generator, though nothing goes to the
+        # server unless a pipeline is open or a transaction forbids it: an idle connection
+        # changes the flag alone. It counts as a round trip all the same, as wait() counts
+        # psycopg's setters (attempts._run reads the count).
+        with self.lock:
+            if self.pgconn.transaction_status == _IDLE and not self._pipeline:
+                self.round_trips += 1
+                self._autocommit = bool(value)
+                return
+        super().set_autocommit(value)
+
     @contextmanager
     def bounded_round_trips(self) -> Iterator[None]:
         """Bound every round trip in the block (bounded.py): the package's own statements."""

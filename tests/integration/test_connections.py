@@ -116,6 +116,30 @@ def test_a_lent_connection_left_out_of_autocommit_does_not_swallow_writes(
     assert other.get(task_id).status == "enqueued"
 
 
+def test_autocommit_changes_as_psycopg_changes_it_on_a_lent_connection(
+    make_queue: Callable[..., LeaseQueue],
+) -> None:
+    # The queue's connections change the flag without a trip through wait() when idle; in
+    # a transaction the change is refused, and in a pipeline it syncs first, as psycopg's.
+    queue = make_queue(pool_size=1)
+    queue.install()
+    with queue.connection() as conn:
+        before = conn.round_trips  # type: ignore[attr-defined]
+        conn.autocommit = False
+        assert not conn.autocommit
+        assert conn.round_trips == before + 1  # type: ignore[attr-defined]
+        conn.execute("SELECT 1")
+        with pytest.raises(psycopg.ProgrammingError, match="autocommit"):
+            conn.autocommit = True
+        conn.rollback()
+        with conn.pipeline():
+            conn.autocommit = True
+        assert conn.autocommit
+        conn.execute("CREATE TEMP TABLE written_in_autocommit ()")
+    with queue.connection() as conn:
+        assert conn.autocommit
+
+
 def test_a_role_and_locks_taken_on_a_lent_connection_do_not_outlive_the_loan(
     dsn: str, make_queue: Callable[..., LeaseQueue]
 ) -> None:
