@@ -132,9 +132,8 @@ class _SucceededElsewhere(Exception):
 
 @contextmanager
 def run_attempt(
-    cached: CachedConnection,
-    *,
     driver: QueueDriver,
+    *,
     target: AttemptTarget,
     lease: Lease | None,
     worker_id: str,
@@ -142,7 +141,8 @@ def run_attempt(
     claim_next: bool = False,
     next_lease_seconds: float | None = None,
 ) -> Iterator[Attempt]:
-    """The attempt's life on one kept autocommit connection; see :meth:`LeaseQueue.attempt`.
+    """The attempt's life on one kept autocommit connection, lent for the attempt; see
+    :meth:`LeaseQueue.attempt`.
 
     The package's own statements run on the connection's per-statement cursors, the
     caller's effects on ``attempt.connection``: both in the same transaction.
@@ -159,44 +159,48 @@ def run_attempt(
     own after it. A conclusion that fails claims nothing, and a claim that fails costs the
     conclusion nothing.
     """
-    # The session is reset when the attempt ends: by its commit, else in the finally below.
+    cached = driver.lend()
     conn = cached.conn
+    # The session is reset when the attempt ends: by its commit, else in the finally below.
     session_reset = False
     try:
-        row = _begun(cached, target, lease, worker_id)
-        if row is None:
-            with driver.errors:
-                (row,) = cached.rows(
-                    driver.statement(sql.BEGIN_ATTEMPT),
-                    {
-                        "identity": target.identity,
-                        "legacy_identity": target.legacy_identity,
-                        "queue": target.queue,
-                        "key": target.key,
-                        "task_id": target.task_id,
-                        "worker_id": worker_id,
-                    },
-                )
-        attempt = Attempt(
-            target=target,
-            attempt_id=row[0],
-            number=row[1],
-            duplicate=row[2],
-            result=row[3],
-            abandoned=row[4],
-            connection=conn,
-        )
-        conn.attempt_settings = _attempt_settings(idle_timeout)
-        claim = None
-        if claim_next and lease is not None:
-            claim = _NextClaim(driver, lease, next_lease_seconds)
-        session_reset = yield from _run(cached, driver, attempt, lease, claim)
-        if claim is not None and claim.succeeded and lease is not None:
-            attempt.claimed = lease.next_lease = claim.lease(cached)
+        try:
+            row = _begun(cached, target, lease, worker_id)
+            if row is None:
+                with driver.errors:
+                    (row,) = cached.rows(
+                        driver.statement(sql.BEGIN_ATTEMPT),
+                        {
+                            "identity": target.identity,
+                            "legacy_identity": target.legacy_identity,
+                            "queue": target.queue,
+                            "key": target.key,
+                            "task_id": target.task_id,
+                            "worker_id": worker_id,
+                        },
+                    )
+            attempt = Attempt(
+                target=target,
+                attempt_id=row[0],
+                number=row[1],
+                duplicate=row[2],
+                result=row[3],
+                abandoned=row[4],
+                connection=conn,
+            )
+            conn.attempt_settings = _attempt_settings(idle_timeout)
+            claim = None
+            if claim_next and lease is not None:
+                claim = _NextClaim(driver, lease, next_lease_seconds)
+            session_reset = yield from _run(cached, driver, attempt, lease, claim)
+            if claim is not None and claim.succeeded and lease is not None:
+                attempt.claimed = lease.next_lease = claim.lease(cached)
+        finally:
+            if not session_reset:
+                conn.bounded = True  # cleared when the loan ends (QueueDriver.take_back)
+                reset_session(conn, driver.statement(sql.RESET_SESSION))
     finally:
-        if not session_reset:
-            conn.bounded = True  # cleared when the loan ends (QueueDriver.lent_connection)
-            reset_session(conn, driver.statement(sql.RESET_SESSION))
+        driver.take_back(cached)
 
 
 def _begun(

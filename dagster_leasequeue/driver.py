@@ -87,18 +87,26 @@ class QueueDriver:
         """A kept connection with a cursor per statement, for the hot ones (claim, ack)."""
         return BorrowedStatements(self._connections, self.errors)
 
+    def lend(self) -> CachedConnection:
+        """A kept connection lent to caller code, until :meth:`take_back`."""
+        with self.errors:
+            return self._connections.acquire()
+
+    def take_back(self, cached: CachedConnection) -> None:
+        """End a loan: the connection is handed back as it was opened."""
+        # Whatever the loan ended with (an interrupt mid-way through an attempt's own
+        # statements), the next borrower's statements are not bounded (bounded.py).
+        cached.conn.bounded = False
+        self._connections.release(cached)
+
     @contextmanager
     def lent_connection(self) -> Iterator[CachedConnection]:
-        """A kept connection lent to caller code; it is handed back as it was opened."""
-        with self.errors:
-            cached = self._connections.acquire()
+        """A kept connection lent to caller code for the block (lend, then take_back)."""
+        cached = self.lend()
         try:
             yield cached
         finally:
-            # Whatever the loan ended with (an interrupt mid-way through an attempt's own
-            # statements), the next borrower's statements are not bounded (bounded.py).
-            cached.conn.bounded = False
-            self._connections.release(cached)
+            self.take_back(cached)
 
     @contextmanager
     def renewal_connection(self, *, wait: float = 1.0) -> Iterator[psycopg.Connection[Any]]:

@@ -7,7 +7,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from datetime import datetime
 from types import TracebackType
@@ -856,7 +856,6 @@ class LeaseQueue:
 
     # -- attempts --------------------------------------------------------------------------
 
-    @contextmanager
     def attempt(
         self,
         key: str | None = None,
@@ -865,7 +864,7 @@ class LeaseQueue:
         worker_id: str | None = None,
         claim_next: bool = False,
         next_lease_seconds: float | None = None,
-    ) -> Iterator[Attempt]:
+    ) -> AbstractContextManager[Attempt]:
         """Do a piece of work at most once per key, its effects and its ack in one transaction.
 
         ``attempt.connection`` is inside the attempt's transaction: effects written through
@@ -909,20 +908,15 @@ class LeaseQueue:
             or (lease.worker_id if lease else None)
             or self.default_worker_id
         )
-        with (
-            self._driver.lent_connection() as cached,
-            run_attempt(
-                cached,
-                driver=self._driver,
-                target=target,
-                lease=lease,
-                worker_id=worker,
-                idle_timeout=max(lease.lease_seconds if lease else self.settings.lease_seconds, 2),
-                claim_next=claim_next,
-                next_lease_seconds=check_lease_seconds(next_lease_seconds),
-            ) as attempt,
-        ):
-            yield attempt
+        return run_attempt(
+            self._driver,
+            target=target,
+            lease=lease,
+            worker_id=worker,
+            idle_timeout=max(lease.lease_seconds if lease else self.settings.lease_seconds, 2),
+            claim_next=claim_next,
+            next_lease_seconds=check_lease_seconds(next_lease_seconds),
+        )
 
     def attempts(
         self, key: str | None = None, *, queue: str | None = None, task_id: int | None = None
