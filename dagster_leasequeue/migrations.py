@@ -1620,14 +1620,23 @@ _CLAIM_LOCK_TIMEOUT_SET = (
         BEGIN
 """
 )
-# The claimed task's identities, once ``id`` holds it (AttemptTarget.identity's text).
-_CLAIMED_IDENTITIES = """\
+# The identity of a task's own work (AttemptTarget.identity): the task itself without an
+# idempotency key, else its queue and key; laid out as conclude_claim_and_begin() has it.
+TASK_WORK_IDENTITY = (
+    "CASE WHEN {key} IS NULL THEN 'task:' || {id}\n"
+    "                                   ELSE 'queue:' || length({queue}) || ':' || {queue} || ':'\n"
+    "                                        || {key} END"
+)
+# The claimed task's identities, once ``id`` holds it.
+_CLAIMED_IDENTITIES = (
+    """\
                 v_task_id := id;
-                v_identity := CASE WHEN idempotency_key IS NULL THEN 'task:' || id
-                                   ELSE 'queue:' || length(p_queue) || ':' || p_queue || ':'
-                                        || idempotency_key END;
+                v_identity := """
+    + TASK_WORK_IDENTITY.format(id="id", queue="p_queue", key="idempotency_key")
+    + """;
                 v_legacy_identity := 'legacy:' || idempotency_key;
 """
+)
 _BEGIN_CLAIMED_ATTEMPT_IF_CLAIMED = (
     _CLAIMED_IDENTITIES
     + _BEGIN_CLAIMED_ATTEMPT

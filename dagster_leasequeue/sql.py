@@ -16,7 +16,13 @@ from functools import lru_cache
 
 from psycopg import sql
 
-from .migrations import BATCH_NOTIFY_TAIL, BATCH_STRIPES, BULK_MARKER, KEYS_MARKER
+from .migrations import (
+    BATCH_NOTIFY_TAIL,
+    BATCH_STRIPES,
+    BULK_MARKER,
+    KEYS_MARKER,
+    TASK_WORK_IDENTITY,
+)
 
 # First keys of the two-key advisory locks this package takes, one per purpose, so that no
 # name a user picks can make two purposes collide.
@@ -607,7 +613,6 @@ LEASE_STATE = "SELECT status, lease_token FROM {schema}.tasks WHERE id = %(task_
 
 # -- the sweeper -------------------------------------------------------------------------
 
-
 SWEEP_BATCH = (
     """
     WITH expired AS (
@@ -630,7 +635,17 @@ SWEEP_BATCH = (
         WHERE t.id = expired.id
         RETURNING t.id, t.queue, t.attempts, t.worker_id, expired.lease_expires_at,
                   CASE WHEN t.status = 'dead' THEN 'dead' ELSE 'requeued' END AS action,
-                  t.concurrency_key
+                  t.concurrency_key, t.idempotency_key
+    ), abandoned AS (
+        -- The running records of the dead tasks' work: their workers' leases expired, and
+        -- no next attempt will come to mark them abandoned.
+        UPDATE {schema}.attempts AS a
+        SET outcome = 'abandoned', finished_at = clock_timestamp()
+        FROM recovered AS r
+        WHERE r.action = 'dead' AND a.outcome = 'running'
+          AND a.identity = """
+    + TASK_WORK_IDENTITY.format(id="r.id", queue="r.queue", key="r.idempotency_key")
+    + """
     )"""
     # Its keys' running tasks counted once per key, in key order, as ack_many counts them:
     # row by row, in expiry order, a sweep holding one key's row and waiting for another's

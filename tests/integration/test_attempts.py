@@ -22,6 +22,7 @@ from dagster_leasequeue import (
     LeaseQueueSettings,
     migrations,
 )
+from dagster_leasequeue.attempts import attempt_target
 
 from ..helpers import expire, run_sql
 from ..relay import CommitCutter
@@ -734,6 +735,49 @@ def test_a_start_record_whose_worker_died_is_marked_abandoned_by_the_next_attemp
         assert (attempt.number, attempt.abandoned) == (2, 1)
     outcomes = [a.outcome for a in queue.attempts(task_id=claimed.task_id)]
     assert outcomes == ["abandoned", "succeeded"]
+
+
+@pytest.mark.parametrize("key", [None, "invoice-7"], ids=["keyless", "keyed"])
+@pytest.mark.parametrize("begun", ["with_the_claim", "apart"])
+def test_the_sweep_that_makes_a_task_dead_marks_its_running_record_abandoned(
+    queue: LeaseQueue, key: str | None, begun: str
+) -> None:
+    # The task's worker died mid-attempt and the task has no attempts left: no next attempt
+    # will come to mark its record, so the sweep that makes the task dead does. A record
+    # of other work (here a key of the caller's) is left running.
+    with queue.attempt("other-work") as other:
+        pass
+    run_sql(
+        queue,
+        "UPDATE {schema}.attempts SET outcome = 'running' WHERE id = %(id)s",
+        {"id": other.id},
+    )
+    if begun == "with_the_claim":
+        _, lease = _chain_to_second(queue, idempotency_key=key, max_attempts=1)
+    else:
+        queue.enqueue({"n": 1}, idempotency_key=key, max_attempts=1)
+        lease = queue.claim()
+        assert lease is not None
+        # The worker's start, as it commits before the work; then the worker is gone.
+        target = attempt_target(None, lease)
+        run_sql(
+            queue,
+            "SELECT * FROM {schema}.begin_attempt(%(identity)s, %(legacy)s, %(queue)s, %(key)s,"
+            " %(task_id)s, 'gone')",
+            {
+                "identity": target.identity,
+                "legacy": target.legacy_identity,
+                "queue": target.queue,
+                "key": target.key,
+                "task_id": lease.task_id,
+            },
+        )
+    assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["running"]
+    expire(queue, lease.task_id)
+    (event,) = queue.sweep()
+    assert event.action == "dead"
+    assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["abandoned"]
+    assert [a.outcome for a in queue.attempts("other-work")] == ["running"]
 
 
 def test_a_start_that_fails_in_the_claiming_commit_is_made_apart(queue: LeaseQueue) -> None:
