@@ -637,15 +637,20 @@ SWEEP_BATCH = (
                   CASE WHEN t.status = 'dead' THEN 'dead' ELSE 'requeued' END AS action,
                   t.concurrency_key, t.idempotency_key
     ), abandoned AS (
-        -- The running records of the dead tasks' work: their workers' leases expired, and
-        -- no next attempt will come to mark them abandoned.
+        -- The running records of the dead tasks' own work: their workers' leases expired,
+        -- and no next attempt will come to mark them abandoned. A record another session
+        -- holds is skipped: a conclusion locks its record before its task's row (which this
+        -- statement holds), so waiting for it could deadlock; that conclusion then fails
+        -- the fence and records its own outcome.
         UPDATE {schema}.attempts AS a
         SET outcome = 'abandoned', finished_at = clock_timestamp()
-        FROM recovered AS r
-        WHERE r.action = 'dead' AND a.outcome = 'running'
-          AND a.identity = """
+        FROM (SELECT s.id FROM {schema}.attempts AS s JOIN recovered AS r
+                ON s.identity = """
     + TASK_WORK_IDENTITY.format(id="r.id", queue="r.queue", key="r.idempotency_key")
     + """
+              WHERE r.action = 'dead' AND s.outcome = 'running'
+              FOR UPDATE OF s SKIP LOCKED) AS running
+        WHERE a.id = running.id
     )"""
     # Its keys' running tasks counted once per key, in key order, as ack_many counts them:
     # row by row, in expiry order, a sweep holding one key's row and waiting for another's

@@ -21,6 +21,7 @@ from dagster_leasequeue import (
     LeaseQueueError,
     LeaseQueueSettings,
     migrations,
+    sql,
 )
 from dagster_leasequeue.attempts import attempt_target
 
@@ -737,6 +738,25 @@ def test_a_start_record_whose_worker_died_is_marked_abandoned_by_the_next_attemp
     assert outcomes == ["abandoned", "succeeded"]
 
 
+def _begun_by_a_worker_that_dies(queue: LeaseQueue, lease: Lease) -> int:
+    """The start of an attempt on ``lease``, as a worker commits it before its work, and
+    then the worker is gone: the id of its running record."""
+    target = attempt_target(None, lease)
+    rows = run_sql(
+        queue,
+        "SELECT attempt_id FROM {schema}.begin_attempt(%(identity)s, %(legacy)s, %(queue)s,"
+        " %(key)s, %(task_id)s, 'gone')",
+        {
+            "identity": target.identity,
+            "legacy": target.legacy_identity,
+            "queue": target.queue,
+            "key": target.key,
+            "task_id": lease.task_id,
+        },
+    )
+    return int(rows[0][0])
+
+
 @pytest.mark.parametrize("key", [None, "invoice-7"], ids=["keyless", "keyed"])
 @pytest.mark.parametrize("begun", ["with_the_claim", "apart"])
 def test_the_sweep_that_makes_a_task_dead_marks_its_running_record_abandoned(
@@ -756,28 +776,73 @@ def test_the_sweep_that_makes_a_task_dead_marks_its_running_record_abandoned(
         _, lease = _chain_to_second(queue, idempotency_key=key, max_attempts=1)
     else:
         queue.enqueue({"n": 1}, idempotency_key=key, max_attempts=1)
-        lease = queue.claim()
-        assert lease is not None
-        # The worker's start, as it commits before the work; then the worker is gone.
-        target = attempt_target(None, lease)
-        run_sql(
-            queue,
-            "SELECT * FROM {schema}.begin_attempt(%(identity)s, %(legacy)s, %(queue)s, %(key)s,"
-            " %(task_id)s, 'gone')",
-            {
-                "identity": target.identity,
-                "legacy": target.legacy_identity,
-                "queue": target.queue,
-                "key": target.key,
-                "task_id": lease.task_id,
-            },
-        )
+        claimed = queue.claim()
+        assert claimed is not None
+        lease = claimed
+        _begun_by_a_worker_that_dies(queue, lease)
     assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["running"]
     expire(queue, lease.task_id)
     (event,) = queue.sweep()
     assert event.action == "dead"
     assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["abandoned"]
     assert [a.outcome for a in queue.attempts("other-work")] == ["running"]
+
+
+def test_the_sweep_does_not_wait_for_a_record_a_concluding_zombie_holds(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # A zombie's conclusion marks its record, then waits for its task's row, which the
+    # sweep making the task dead holds: were the sweep to wait for the record, the two would
+    # deadlock. The sweep leaves that record to its holder, whose fence then fails.
+    queue.enqueue({"n": 1}, max_attempts=1)
+    lease = queue.claim()
+    assert lease is not None
+    record = _begun_by_a_worker_that_dies(queue, lease)
+    expire(queue, lease.task_id)
+    swept: list[object] = []
+    with psycopg.connect(dsn) as zombie:
+        zombie.execute(
+            f'UPDATE "{queue.schema}".attempts SET outcome = %s WHERE id = %s',
+            ("succeeded", record),
+        )
+        sweeper = threading.Thread(target=lambda: swept.extend(queue.sweep()))
+        sweeper.start()
+        sweeper.join(timeout=10)
+        assert not sweeper.is_alive(), "the sweep waited for the zombie's record"
+        acked = zombie.execute(
+            f'UPDATE "{queue.schema}".tasks SET status = %s'
+            " WHERE id = %s AND lease_token = %s AND status = 'processing'",
+            ("done", lease.task_id, lease.token),
+        ).rowcount
+        assert acked == 0
+        zombie.rollback()
+    assert [event.action for event in swept] == ["dead"]  # type: ignore[attr-defined]
+    assert queue.get(lease.task_id).status == "dead"
+
+
+def test_the_sweep_reads_running_records_by_index_whatever_the_tables_size(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # The sweep keeps its plan for the session (a prepared statement), made while the
+    # attempts table may be nearly empty: its look-up of the dead tasks' running records
+    # must read the identity index, not every record.
+    for key in ("a", "b", "c", "d", "e"):
+        with queue.attempt(key):
+            pass
+    names: list[str] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        names.append(match.group(1))
+        return f"${len(names)}"
+
+    statement = re.sub(r"%\((\w+)\)s", placeholder, sql.compose(sql.SWEEP_BATCH, queue.schema))
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute(f"PREPARE sweep AS {statement}")
+        arguments = ", ".join("10" if name == "limit" else "NULL" for name in names)
+        plan = "\n".join(row[0] for row in conn.execute(f"EXPLAIN EXECUTE sweep({arguments})"))
+        conn.rollback()
+    assert "Seq Scan on attempts" not in plan and "attempts_identity_idx" in plan, plan
 
 
 def test_a_start_that_fails_in_the_claiming_commit_is_made_apart(queue: LeaseQueue) -> None:
