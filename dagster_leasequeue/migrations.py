@@ -1497,9 +1497,8 @@ _BEGIN_ATTEMPT_QUERY = """\
         SELECT began.id, began.attempt, began.skipped, (SELECT result FROM previous),
                (SELECT count(*) FROM abandoned)
         FROM began"""
-_BEGIN_ATTEMPT_FUNCTION = (
-    """
-    CREATE FUNCTION {schema}.begin_attempt(
+# begin_attempt()'s parameters, result and language, after its name.
+_BEGIN_ATTEMPT_SIGNATURE = """(
         p_identity text, p_legacy_identity text, p_queue text, p_key text, p_task_id bigint,
         p_worker text
     ) RETURNS TABLE (
@@ -1507,7 +1506,12 @@ _BEGIN_ATTEMPT_FUNCTION = (
         abandoned_count bigint
     )
     LANGUAGE plpgsql AS $$
-    BEGIN
+"""
+_BEGIN_ATTEMPT_FUNCTION = (
+    """
+    CREATE FUNCTION {schema}.begin_attempt"""
+    + _BEGIN_ATTEMPT_SIGNATURE
+    + """    BEGIN
         RETURN QUERY
 """
     + _BEGIN_ATTEMPT_QUERY
@@ -1584,11 +1588,21 @@ _BEGUN_ATTEMPTS = (
 #   schema's owner, for every role. It now takes the lease's token too and deletes only
 #   while that lease holds the task (each caller takes a record back before concluding its
 #   lease), and only the roles grant_worker names may call it.
+
+
+def _for_the_claimed_task(start: str) -> str:
+    """An attempt's start written for begin_attempt()'s parameters, with the names that
+    conclude_claim_and_begin() gives the task it claimed."""
+    return (
+        start.replace("p_legacy_identity", "v_legacy_identity")
+        .replace("p_identity", "v_identity")
+        .replace("p_key", "idempotency_key")
+        .replace("p_task_id", "v_task_id")
+    )
+
+
 _BEGIN_CLAIMED_ATTEMPT = (
-    _BEGIN_ATTEMPT_QUERY.replace("p_legacy_identity", "v_legacy_identity")
-    .replace("p_identity", "v_identity")
-    .replace("p_key", "idempotency_key")
-    .replace("p_task_id", "v_task_id")
+    _for_the_claimed_task(_BEGIN_ATTEMPT_QUERY)
     + """
         INTO attempt_id, attempt_number, duplicate, success_result, abandoned_count"""
 )
@@ -1748,15 +1762,21 @@ _ACK_KEYLESS_AND_CLAIM_IN_A_FUNCTION = (
                   t.run_at, NULL::double precision AS next_token_in, t.concurrency_key
         )"""
 )
-_ACK_AND_CLAIM_THEN_FENCE = (
-    """        IF current_setting('transaction_isolation') <> 'read committed' THEN
+# Above READ COMMITTED the attempt concludes alone, and a row of NULLs says so.
+_CONCLUDED_ALONE_ABOVE_READ_COMMITTED = """\
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
             PERFORM {schema}.conclude_attempt(p_attempt_id, p_task_id, p_token, p_result);
             RETURN NEXT;  -- a row of NULLs: the claim was not made
             RETURN;
         END IF;
+"""
+# The success mark before the ack and claim, as migrations 28 and 29 make it.
+_SUCCESS_MARKED_BY_CONCLUDE_ATTEMPT = """\
         PERFORM {schema}.conclude_attempt(p_attempt_id, NULL, NULL, p_result);
 """
-    + _CLAIM_LOCK_TIMEOUT_SET
+# The ack and claim, the fence checked, and ``IF id IS NOT NULL THEN`` opened for the start.
+_ACK_AND_CLAIM_FENCED = (
+    _CLAIM_LOCK_TIMEOUT_SET
     + _ACK_KEYLESS_AND_CLAIM_IN_A_FUNCTION
     + """
         SELECT EXISTS (SELECT FROM moved AS a WHERE a.id = p_task_id), c.id, c.payload,
@@ -1773,6 +1793,11 @@ _ACK_AND_CLAIM_THEN_FENCE = (
             END IF;
             IF id IS NOT NULL THEN
 """
+)
+_ACK_AND_CLAIM_THEN_FENCE = (
+    _CONCLUDED_ALONE_ABOVE_READ_COMMITTED
+    + _SUCCESS_MARKED_BY_CONCLUDE_ATTEMPT
+    + _ACK_AND_CLAIM_FENCED
 )
 _CONCLUDE_CLAIM_AND_BEGIN_V28 = (
     _CONCLUDE_CLAIM_AND_BEGIN_HEAD.format(declare="\n        v_acked boolean;")
@@ -1884,15 +1909,9 @@ _BEGIN_ATTEMPT_VARIABLES = """
         v_running bigint[];"""
 _BEGIN_ATTEMPT_FUNCTION_V30 = (
     """
-    CREATE OR REPLACE FUNCTION {schema}.begin_attempt(
-        p_identity text, p_legacy_identity text, p_queue text, p_key text, p_task_id bigint,
-        p_worker text
-    ) RETURNS TABLE (
-        attempt_id bigint, attempt_number integer, duplicate boolean, success_result jsonb,
-        abandoned_count bigint
-    )
-    LANGUAGE plpgsql AS $$
-    DECLARE"""
+    CREATE OR REPLACE FUNCTION {schema}.begin_attempt"""
+    + _BEGIN_ATTEMPT_SIGNATURE
+    + """    DECLARE"""
     + _BEGIN_ATTEMPT_VARIABLES
     + """
     BEGIN
@@ -1903,30 +1922,21 @@ _BEGIN_ATTEMPT_FUNCTION_V30 = (
     $$
 """
 )
-
-
 _CONCLUDE_CLAIM_AND_BEGIN_V30 = (
     _CONCLUDE_CLAIM_AND_BEGIN_HEAD.format(
         declare="\n        v_acked boolean;" + _BEGIN_ATTEMPT_VARIABLES
     )
-    + _ACK_AND_CLAIM_THEN_FENCE.replace(
-        "        PERFORM {schema}.conclude_attempt(p_attempt_id, NULL, NULL, p_result);\n",
-        """\
+    + _CONCLUDED_ALONE_ABOVE_READ_COMMITTED
+    + """\
         IF p_attempt_id IS NOT NULL THEN
             UPDATE {schema}.attempts AS a
             SET outcome = 'succeeded', result = p_result, finished_at = clock_timestamp()
             WHERE a.id = p_attempt_id;
         END IF;
-""",
-    )
+"""
+    + _ACK_AND_CLAIM_FENCED
     + _CLAIMED_IDENTITIES
-    + indent(
-        _BEGIN_ATTEMPT_STATEMENTS.replace("p_legacy_identity", "v_legacy_identity")
-        .replace("p_identity", "v_identity")
-        .replace("p_key", "idempotency_key")
-        .replace("p_task_id", "v_task_id"),
-        " " * 8,
-    )
+    + indent(_for_the_claimed_task(_BEGIN_ATTEMPT_STATEMENTS), " " * 8)
     + """            END IF;
 """
     + _ACK_MADE_ALONE_WHEN_THE_CLAIM_FAILS

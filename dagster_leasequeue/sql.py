@@ -1053,7 +1053,7 @@ CONCLUDE_EMPTY_ATTEMPT_APART = "BEGIN; " + CONCLUDE_ATTEMPT
 # For a lease whose task has no concurrency key, on a queue the plain claim takes, the
 # claim commits with the attempt instead, one commit to wait for and not two: the
 # conclusion and the claim are one function, conclude_claim_and_begin() (migrations 26 to
-# 29), which also begins the claimed task's attempt (an attempt on its lease then takes
+# 30), which also begins the claimed task's attempt (an attempt on its lease then takes
 # that start record, and makes no round trip of its own to begin), before the COMMIT, and
 # the session's reset follows it, as it follows any conclusion (so a deferred trigger of
 # the borrower's still runs with its settings and role, and its advisory locks hold until
