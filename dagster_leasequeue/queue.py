@@ -389,7 +389,8 @@ class LeaseQueue:
     def cancel_batch(self, batch_id: int) -> int:
         """Cancel every unfinished task of the batch; return how many were cancelled.
 
-        Workers holding one of them lose their lease, as with :meth:`cancel`.
+        Workers holding one of them lose their lease, and the running attempt records of
+        their work are marked abandoned, as with :meth:`cancel`.
         """
         return batch_module.cancel_batch(
             self._driver, check_id("batch_id", batch_id), sql.notify_channel(self.schema)
@@ -790,7 +791,9 @@ class LeaseQueue:
     def cancel(self, task_id: int) -> bool:
         """Cancel a task not yet finished; False if it had already finished.
 
-        A worker holding it loses its lease: its ack, fail and renew raise LeaseLost.
+        A worker holding it loses its lease: its ack, fail and renew raise LeaseLost. The
+        running attempt records of its work are marked abandoned (one whose conclusion is
+        under way is left to it, and records its own outcome).
         """
         with self._driver.connection() as conn:
             if conn.execute(self._driver.statement(sql.CANCEL), {"task_id": task_id}).fetchone():

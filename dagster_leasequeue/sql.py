@@ -611,6 +611,27 @@ ACK_MANY_AND_CLAIM = (
 # Why a fenced statement changed nothing, for the LeaseLost message.
 LEASE_STATE = "SELECT status, lease_token FROM {schema}.tasks WHERE id = %(task_id)s"
 
+# The running records of the own work of tasks that will never run again (made dead, or
+# cancelled): no next attempt will come to mark them abandoned, so the statement that ends
+# the tasks does (``{tasks}``: its CTE of the ended tasks, with their id, queue and
+# idempotency key; ``{which}``: a condition on them, with AND). A record another session
+# holds is skipped: a conclusion locks its record before its task's row (which the
+# statement holds), so waiting for it could deadlock; that conclusion then fails the fence
+# and records its own outcome over the mark.
+_RUNNING_RECORDS_ABANDONED = (
+    """, abandoned AS (
+        UPDATE {{schema}}.attempts AS a
+        SET outcome = 'abandoned', finished_at = clock_timestamp()
+        FROM (SELECT s.id FROM {{schema}}.attempts AS s JOIN {tasks} AS r
+                ON s.identity = """
+    + TASK_WORK_IDENTITY.format(id="r.id", queue="r.queue", key="r.idempotency_key")
+    + """
+              WHERE {which}s.outcome = 'running'
+              FOR UPDATE OF s SKIP LOCKED) AS running
+        WHERE a.id = running.id
+    )"""
+)
+
 # -- the sweeper -------------------------------------------------------------------------
 
 SWEEP_BATCH = (
@@ -636,22 +657,10 @@ SWEEP_BATCH = (
         RETURNING t.id, t.queue, t.attempts, t.worker_id, expired.lease_expires_at,
                   CASE WHEN t.status = 'dead' THEN 'dead' ELSE 'requeued' END AS action,
                   t.concurrency_key, t.idempotency_key
-    ), abandoned AS (
-        -- The running records of the dead tasks' own work: their workers' leases expired,
-        -- and no next attempt will come to mark them abandoned. A record another session
-        -- holds is skipped: a conclusion locks its record before its task's row (which this
-        -- statement holds), so waiting for it could deadlock; that conclusion then fails
-        -- the fence and records its own outcome.
-        UPDATE {schema}.attempts AS a
-        SET outcome = 'abandoned', finished_at = clock_timestamp()
-        FROM (SELECT s.id FROM {schema}.attempts AS s JOIN recovered AS r
-                ON s.identity = """
-    + TASK_WORK_IDENTITY.format(id="r.id", queue="r.queue", key="r.idempotency_key")
-    + """
-              WHERE r.action = 'dead' AND s.outcome = 'running'
-              FOR UPDATE OF s SKIP LOCKED) AS running
-        WHERE a.id = running.id
     )"""
+    # The dead tasks' workers' leases expired, and no next attempt will come to mark their
+    # records.
+    + _RUNNING_RECORDS_ABANDONED.format(tasks="recovered", which="r.action = 'dead' AND ")
     # Its keys' running tasks counted once per key, in key order, as ack_many counts them:
     # row by row, in expiry order, a sweep holding one key's row and waiting for another's
     # could deadlock with a statement that holds the second and waits for the first.
@@ -772,13 +781,23 @@ PURGE_BATCH = (
 """
 )
 
-CANCEL = """
-    UPDATE {schema}.tasks
-    SET status = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
-        finished_at = clock_timestamp(), updated_at = clock_timestamp()
-    WHERE id = %(task_id)s AND status IN ('enqueued', 'processing')
-    RETURNING id
+# A cancelled task never runs again: the running records of its work are marked abandoned
+# (_RUNNING_RECORDS_ABANDONED), whether its lease was held or it waited, enqueued, after
+# one expired.
+CANCEL = (
+    """
+    WITH cancelled AS (
+        UPDATE {schema}.tasks
+        SET status = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
+            finished_at = clock_timestamp(), updated_at = clock_timestamp()
+        WHERE id = %(task_id)s AND status IN ('enqueued', 'processing')
+        RETURNING id, queue, idempotency_key
+    )"""
+    + _RUNNING_RECORDS_ABANDONED.format(tasks="cancelled", which="")
+    + """
+    SELECT id FROM cancelled
 """
+)
 
 TASK_EXISTS = "SELECT 1 FROM {schema}.tasks WHERE id = %(task_id)s"
 
@@ -887,9 +906,11 @@ CANCEL_BATCH = (
             finished_at = clock_timestamp(), updated_at = clock_timestamp()
         FROM unfinished AS u
         WHERE t.id = u.id
-        RETURNING t.id, t.batch_id, t.queue, t.concurrency_key, u.status AS was
+        RETURNING t.id, t.batch_id, t.queue, t.concurrency_key, t.idempotency_key,
+                  u.status AS was
 """
     + _COUNT_IN_BULK.format(column="cancelled", sign="+", changed="cancelled")
+    + _RUNNING_RECORDS_ABANDONED.format(tasks="cancelled", which="")
     + """, was_running AS (SELECT * FROM cancelled WHERE was = 'processing')"""
     + _COUNT_KEYS_IN_BULK.format(changed="was_running", tasks="-count(*)")
     + _NOTIFY_KEYS_FREED

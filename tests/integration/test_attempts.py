@@ -757,6 +757,33 @@ def _begun_by_a_worker_that_dies(queue: LeaseQueue, lease: Lease) -> int:
     return int(rows[0][0])
 
 
+def _running_record_of_other_work(queue: LeaseQueue) -> None:
+    """A running record of a key of the caller's: other work, which neither the sweep nor
+    a cancel of a task touches."""
+    with queue.attempt("other-work") as other:
+        pass
+    run_sql(
+        queue,
+        "UPDATE {schema}.attempts SET outcome = 'running' WHERE id = %(id)s",
+        {"id": other.id},
+    )
+
+
+def _held_with_a_running_record(queue: LeaseQueue, begun: str, **task: object) -> Lease:
+    """A lease on a new task (``task`` its enqueue options) whose work has a running record,
+    begun ``with_the_claim`` (claim_next) or ``apart`` by a worker that then died."""
+    if begun == "with_the_claim":
+        _, lease = _chain_to_second(queue, **task)
+    else:
+        queue.enqueue({"n": 1}, **task)  # type: ignore[arg-type]
+        claimed = queue.claim()
+        assert claimed is not None
+        lease = claimed
+        _begun_by_a_worker_that_dies(queue, lease)
+    assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["running"]
+    return lease
+
+
 @pytest.mark.parametrize("key", [None, "invoice-7"], ids=["keyless", "keyed"])
 @pytest.mark.parametrize("begun", ["with_the_claim", "apart"])
 def test_the_sweep_that_makes_a_task_dead_marks_its_running_record_abandoned(
@@ -765,22 +792,8 @@ def test_the_sweep_that_makes_a_task_dead_marks_its_running_record_abandoned(
     # The task's worker died mid-attempt and the task has no attempts left: no next attempt
     # will come to mark its record, so the sweep that makes the task dead does. A record
     # of other work (here a key of the caller's) is left running.
-    with queue.attempt("other-work") as other:
-        pass
-    run_sql(
-        queue,
-        "UPDATE {schema}.attempts SET outcome = 'running' WHERE id = %(id)s",
-        {"id": other.id},
-    )
-    if begun == "with_the_claim":
-        _, lease = _chain_to_second(queue, idempotency_key=key, max_attempts=1)
-    else:
-        queue.enqueue({"n": 1}, idempotency_key=key, max_attempts=1)
-        claimed = queue.claim()
-        assert claimed is not None
-        lease = claimed
-        _begun_by_a_worker_that_dies(queue, lease)
-    assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["running"]
+    _running_record_of_other_work(queue)
+    lease = _held_with_a_running_record(queue, begun, idempotency_key=key, max_attempts=1)
     expire(queue, lease.task_id)
     (event,) = queue.sweep()
     assert event.action == "dead"
@@ -829,20 +842,112 @@ def test_the_sweep_reads_running_records_by_index_whatever_the_tables_size(
     for key in ("a", "b", "c", "d", "e"):
         with queue.attempt(key):
             pass
+    assert "attempts_identity_idx" in _generic_plan(dsn, queue, sql.SWEEP_BATCH)
+
+
+@pytest.mark.parametrize("key", [None, "invoice-7"], ids=["keyless", "keyed"])
+@pytest.mark.parametrize("begun", ["with_the_claim", "apart"])
+def test_a_cancel_marks_the_running_record_of_its_task_abandoned(
+    queue: LeaseQueue, key: str | None, begun: str
+) -> None:
+    # A cancelled task never runs again: no next attempt will come to mark the running
+    # record of its work (begun with its claim and never used, or left by a worker that
+    # died), so the cancel does.
+    _running_record_of_other_work(queue)
+    lease = _held_with_a_running_record(queue, begun, idempotency_key=key)
+    assert queue.cancel(lease.task_id)
+    assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["abandoned"]
+    assert [a.outcome for a in queue.attempts("other-work")] == ["running"]
+
+
+def test_a_batch_cancel_marks_the_running_records_of_its_tasks_abandoned(
+    queue: LeaseQueue,
+) -> None:
+    _running_record_of_other_work(queue)
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}, {"n": 3}])
+    leases = [queue.claim(), queue.claim()]
+    for lease in leases:
+        assert lease is not None
+        _begun_by_a_worker_that_dies(queue, lease)
+    assert queue.cancel_batch(batch.id) == 3
+    for lease in leases:
+        assert lease is not None
+        assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["abandoned"]
+    assert [a.outcome for a in queue.attempts("other-work")] == ["running"]
+
+
+def test_an_attempt_whose_task_is_cancelled_under_it_records_its_failure(
+    queue: LeaseQueue,
+) -> None:
+    # The cancel marks the record of an attempt still at work; its conclusion then fails
+    # the fence, and the attempt records its own outcome over the mark.
+    queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    with pytest.raises(LeaseLost), queue.attempt(lease=lease) as attempt:
+        assert queue.cancel(lease.task_id)
+        assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["abandoned"]
+    assert [(a.id, a.outcome) for a in queue.attempts(task_id=lease.task_id)] == [
+        (attempt.id, "failed")
+    ]
+
+
+def test_a_cancel_does_not_wait_for_a_record_a_concluding_holder_holds(
+    queue: LeaseQueue, dsn: str
+) -> None:
+    # A holder's conclusion marks its record, then waits for its task's row, which the
+    # cancel holds: were the cancel to wait for the record, the two would deadlock. The
+    # cancel leaves that record to its holder, whose fence then fails.
+    queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    record = _begun_by_a_worker_that_dies(queue, lease)
+    with psycopg.connect(dsn) as holder:
+        holder.execute(
+            f'UPDATE "{queue.schema}".attempts SET outcome = %s WHERE id = %s',
+            ("succeeded", record),
+        )
+        cancelled: list[bool] = []
+        canceller = threading.Thread(target=lambda: cancelled.append(queue.cancel(lease.task_id)))
+        canceller.start()
+        canceller.join(timeout=10)
+        assert not canceller.is_alive(), "the cancel waited for the holder's record"
+        holder.rollback()
+    assert cancelled == [True]
+    assert queue.get(lease.task_id).status == "cancelled"
+    assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["running"]
+
+
+@pytest.mark.parametrize("statement", ["CANCEL", "CANCEL_BATCH"])
+def test_a_cancel_reads_running_records_by_index_whatever_the_tables_size(
+    queue: LeaseQueue, dsn: str, statement: str
+) -> None:
+    # As the sweep's (below): a cancel's plan is kept for the session, perhaps made while
+    # the attempts table was nearly empty.
+    for key in ("a", "b", "c", "d", "e"):
+        with queue.attempt(key):
+            pass
+    assert "attempts_identity_idx" in _generic_plan(dsn, queue, getattr(sql, statement))
+
+
+def _generic_plan(dsn: str, queue: LeaseQueue, template: str) -> str:
+    """The generic plan of ``template`` in the queue's schema, its parameters NULL (a limit
+    10)."""
     names: list[str] = []
 
     def placeholder(match: re.Match[str]) -> str:
         names.append(match.group(1))
         return f"${len(names)}"
 
-    statement = re.sub(r"%\((\w+)\)s", placeholder, sql.compose(sql.SWEEP_BATCH, queue.schema))
+    statement = re.sub(r"%\((\w+)\)s", placeholder, sql.compose(template, queue.schema))
     with psycopg.connect(dsn) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")
-        conn.execute(f"PREPARE sweep AS {statement}")
+        conn.execute(f"PREPARE planned AS {statement}")
         arguments = ", ".join("10" if name == "limit" else "NULL" for name in names)
-        plan = "\n".join(row[0] for row in conn.execute(f"EXPLAIN EXECUTE sweep({arguments})"))
+        plan = "\n".join(row[0] for row in conn.execute(f"EXPLAIN EXECUTE planned({arguments})"))
         conn.rollback()
-    assert "Seq Scan on attempts" not in plan and "attempts_identity_idx" in plan, plan
+    assert "Seq Scan on attempts" not in plan, plan
+    return plan
 
 
 def test_a_start_that_fails_in_the_claiming_commit_is_made_apart(queue: LeaseQueue) -> None:
