@@ -214,6 +214,7 @@ def cancel_batch(driver: QueueDriver, batch_id: int, notify_channel: str) -> int
         row = conn.execute(driver.statement(sql.CANCEL_BATCH), params).fetchone()
         cancelled = int(row[0]) if row else 0
         if cancelled:
+            conn.execute(driver.statement(sql.ABANDON_RECORDS_OF_CANCELLED_BATCH), params)
             conn.execute(sql.NOTIFY, {"channel": notify_channel, "payload": f"batch:{batch_id}"})
         else:  # nothing to cancel: a finished batch, or none of that id
             require_batch(conn, driver, batch_id)

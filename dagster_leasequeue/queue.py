@@ -795,12 +795,13 @@ class LeaseQueue:
         running attempt records of its work are marked abandoned (one whose conclusion is
         under way is left to it, and records its own outcome).
         """
-        with self._driver.connection() as conn:
-            if conn.execute(self._driver.statement(sql.CANCEL), {"task_id": task_id}).fetchone():
+        params = {"task_id": task_id}
+        with self._driver.connection() as conn, conn.transaction():
+            if conn.execute(self._driver.statement(sql.CANCEL), params).fetchone():
+                abandon = sql.ABANDON_RECORDS_OF_CANCELLED_TASK
+                conn.execute(self._driver.statement(abandon), params)
                 return True
-            if conn.execute(
-                self._driver.statement(sql.TASK_EXISTS), {"task_id": task_id}
-            ).fetchone():
+            if conn.execute(self._driver.statement(sql.TASK_EXISTS), params).fetchone():
                 return False
         raise TaskNotFound(f"no task with id {task_id} in schema {self.schema!r}")
 

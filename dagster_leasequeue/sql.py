@@ -612,14 +612,13 @@ ACK_MANY_AND_CLAIM = (
 LEASE_STATE = "SELECT status, lease_token FROM {schema}.tasks WHERE id = %(task_id)s"
 
 # The running records of the own work of tasks that will never run again (made dead, or
-# cancelled): no next attempt will come to mark them abandoned, so the statement that ends
-# the tasks does (``{tasks}``: its CTE of the ended tasks, with their id, queue and
-# idempotency key; ``{which}``: a condition on them, with AND). A record another session
-# holds is skipped: a conclusion locks its record before its task's row (which the
-# statement holds), so waiting for it could deadlock; that conclusion then fails the fence
-# and records its own outcome over the mark.
-_RUNNING_RECORDS_ABANDONED = (
-    """, abandoned AS (
+# cancelled): no next attempt will come to mark them abandoned, so whatever ends the tasks
+# does (``{tasks}``: the ended tasks, with their id, queue and idempotency key; ``{which}``:
+# a condition on them, with AND). A record another session holds is skipped: a conclusion
+# locks its record before its task's row (which the caller holds), so waiting for it could
+# deadlock; that conclusion then fails the fence and records its own outcome over the mark.
+_MARK_RUNNING_RECORDS_ABANDONED = (
+    """
         UPDATE {{schema}}.attempts AS a
         SET outcome = 'abandoned', finished_at = clock_timestamp()
         FROM (SELECT s.id FROM {{schema}}.attempts AS s JOIN {tasks} AS r
@@ -628,8 +627,7 @@ _RUNNING_RECORDS_ABANDONED = (
     + """
               WHERE {which}s.outcome = 'running'
               FOR UPDATE OF s SKIP LOCKED) AS running
-        WHERE a.id = running.id
-    )"""
+        WHERE a.id = running.id"""
 )
 
 # -- the sweeper -------------------------------------------------------------------------
@@ -657,10 +655,11 @@ SWEEP_BATCH = (
         RETURNING t.id, t.queue, t.attempts, t.worker_id, expired.lease_expires_at,
                   CASE WHEN t.status = 'dead' THEN 'dead' ELSE 'requeued' END AS action,
                   t.concurrency_key, t.idempotency_key
+    ), abandoned AS ("""
+    # The dead tasks' workers' leases expired: no next attempt comes to a dead task.
+    + _MARK_RUNNING_RECORDS_ABANDONED.format(tasks="recovered", which="r.action = 'dead' AND ")
+    + """
     )"""
-    # The dead tasks' workers' leases expired, and no next attempt will come to mark their
-    # records.
-    + _RUNNING_RECORDS_ABANDONED.format(tasks="recovered", which="r.action = 'dead' AND ")
     # Its keys' running tasks counted once per key, in key order, as ack_many counts them:
     # row by row, in expiry order, a sweep holding one key's row and waiting for another's
     # could deadlock with a statement that holds the second and waits for the first.
@@ -781,22 +780,24 @@ PURGE_BATCH = (
 """
 )
 
-# A cancelled task never runs again: the running records of its work are marked abandoned
-# (_RUNNING_RECORDS_ABANDONED), whether its lease was held or it waited, enqueued, after
-# one expired.
-CANCEL = (
-    """
-    WITH cancelled AS (
-        UPDATE {schema}.tasks
-        SET status = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
-            finished_at = clock_timestamp(), updated_at = clock_timestamp()
-        WHERE id = %(task_id)s AND status IN ('enqueued', 'processing')
-        RETURNING id, queue, idempotency_key
-    )"""
-    + _RUNNING_RECORDS_ABANDONED.format(tasks="cancelled", which="")
-    + """
-    SELECT id FROM cancelled
+CANCEL = """
+    UPDATE {schema}.tasks
+    SET status = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
+        finished_at = clock_timestamp(), updated_at = clock_timestamp()
+    WHERE id = %(task_id)s AND status IN ('enqueued', 'processing')
+    RETURNING id
 """
+# A cancelled task never runs again: the running records of its work are marked abandoned
+# (_MARK_RUNNING_RECORDS_ABANDONED), whether its lease was held or it waited, enqueued,
+# after one expired. In a statement after the cancel's, in its transaction: a cancel that
+# waited for the task's row while a claim held it (conclude_claim_and_begin(), which
+# begins the claimed task's attempt) would not see, in its own snapshot, the start record
+# committed with that claim.
+ABANDON_RECORDS_OF_CANCELLED_TASK = _MARK_RUNNING_RECORDS_ABANDONED.format(
+    tasks="{schema}.tasks", which="r.id = %(task_id)s AND r.status = 'cancelled' AND "
+)
+ABANDON_RECORDS_OF_CANCELLED_BATCH = _MARK_RUNNING_RECORDS_ABANDONED.format(
+    tasks="{schema}.tasks", which="r.batch_id = %(batch_id)s AND r.status = 'cancelled' AND "
 )
 
 TASK_EXISTS = "SELECT 1 FROM {schema}.tasks WHERE id = %(task_id)s"
@@ -906,11 +907,9 @@ CANCEL_BATCH = (
             finished_at = clock_timestamp(), updated_at = clock_timestamp()
         FROM unfinished AS u
         WHERE t.id = u.id
-        RETURNING t.id, t.batch_id, t.queue, t.concurrency_key, t.idempotency_key,
-                  u.status AS was
+        RETURNING t.id, t.batch_id, t.queue, t.concurrency_key, u.status AS was
 """
     + _COUNT_IN_BULK.format(column="cancelled", sign="+", changed="cancelled")
-    + _RUNNING_RECORDS_ABANDONED.format(tasks="cancelled", which="")
     + """, was_running AS (SELECT * FROM cancelled WHERE was = 'processing')"""
     + _COUNT_KEYS_IN_BULK.format(changed="was_running", tasks="-count(*)")
     + _NOTIFY_KEYS_FREED

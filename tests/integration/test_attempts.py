@@ -25,7 +25,7 @@ from dagster_leasequeue import (
 )
 from dagster_leasequeue.attempts import attempt_target
 
-from ..helpers import expire, run_sql
+from ..helpers import expire, run_sql, start_blocked
 from ..relay import CommitCutter
 
 
@@ -860,20 +860,66 @@ def test_a_cancel_marks_the_running_record_of_its_task_abandoned(
     assert [a.outcome for a in queue.attempts("other-work")] == ["running"]
 
 
+@pytest.mark.parametrize("begun", ["with_the_claim", "apart"])
 def test_a_batch_cancel_marks_the_running_records_of_its_tasks_abandoned(
-    queue: LeaseQueue,
+    queue: LeaseQueue, begun: str
 ) -> None:
     _running_record_of_other_work(queue)
-    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}, {"n": 3}])
-    leases = [queue.claim(), queue.claim()]
-    for lease in leases:
-        assert lease is not None
-        _begun_by_a_worker_that_dies(queue, lease)
-    assert queue.cancel_batch(batch.id) == 3
-    for lease in leases:
-        assert lease is not None
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}, {"n": 3}], idempotency_keys=["k1", "k2", "k3"])
+    first = queue.claim()
+    assert first is not None
+    if begun == "with_the_claim":
+        with queue.attempt(lease=first, claim_next=True) as attempt:
+            pass
+        assert attempt.claimed is not None
+        held = [attempt.claimed]
+    else:
+        second = queue.claim()
+        assert second is not None
+        held = [first, second]
+        for lease in held:
+            _begun_by_a_worker_that_dies(queue, lease)
+    assert queue.cancel_batch(batch.id) == len(held) + 1
+    for lease in held:
         assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["abandoned"]
     assert [a.outcome for a in queue.attempts("other-work")] == ["running"]
+
+
+def test_a_cancel_marks_the_record_a_claim_it_waited_for_began(queue: LeaseQueue, dsn: str) -> None:
+    # A conclusion that claims the next task begins its attempt in the same commit. A
+    # cancel of that task made meanwhile waits for its row, then cancels it once the claim
+    # commits: the start record committed with the claim, which the cancel's first snapshot
+    # did not hold, is marked too.
+    first = queue.enqueue({"n": 1})
+    second = queue.enqueue({"n": 2})
+    lease = queue.claim()
+    assert lease is not None and lease.task_id == first
+    with psycopg.connect(dsn) as claimer:
+        ((claimed, begun),) = claimer.execute(
+            f'SELECT id, attempt_id FROM "{queue.schema}".conclude_claim_and_begin('
+            "NULL, %s, %s, NULL, 'default', 'claimer', NULL, 60)",
+            (first, lease.token),
+        ).fetchall()
+        assert claimed == second and begun is not None
+        finish = start_blocked(dsn, queue.schema, lambda: queue.cancel(second))
+        claimer.commit()
+        assert finish() is True
+    assert [(a.id, a.outcome) for a in queue.attempts(task_id=second)] == [(begun, "abandoned")]
+
+
+def test_a_cancel_marks_the_record_left_before_its_task_was_enqueued_again(
+    queue: LeaseQueue,
+) -> None:
+    # The worker died, the sweep enqueued the task again (its attempts not used up) and left
+    # the record to the next attempt; the task is cancelled before one comes.
+    queue.enqueue({"n": 1})
+    lease = queue.claim()
+    assert lease is not None
+    _begun_by_a_worker_that_dies(queue, lease)
+    expire(queue, lease.task_id)
+    assert [event.action for event in queue.sweep()] == ["requeued"]
+    assert queue.cancel(lease.task_id)
+    assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["abandoned"]
 
 
 def test_an_attempt_whose_task_is_cancelled_under_it_records_its_failure(
@@ -895,7 +941,7 @@ def test_an_attempt_whose_task_is_cancelled_under_it_records_its_failure(
 def test_a_cancel_does_not_wait_for_a_record_a_concluding_holder_holds(
     queue: LeaseQueue, dsn: str
 ) -> None:
-    # A holder's conclusion marks its record, then waits for its task's row, which the
+    # A holder's conclusion has marked its record and comes to its task's row, which the
     # cancel holds: were the cancel to wait for the record, the two would deadlock. The
     # cancel leaves that record to its holder, whose fence then fails.
     queue.enqueue({"n": 1})
@@ -912,17 +958,25 @@ def test_a_cancel_does_not_wait_for_a_record_a_concluding_holder_holds(
         canceller.start()
         canceller.join(timeout=10)
         assert not canceller.is_alive(), "the cancel waited for the holder's record"
+        acked = holder.execute(
+            f'UPDATE "{queue.schema}".tasks SET status = %s'
+            " WHERE id = %s AND lease_token = %s AND status = 'processing'",
+            ("done", lease.task_id, lease.token),
+        ).rowcount
+        assert acked == 0
         holder.rollback()
     assert cancelled == [True]
     assert queue.get(lease.task_id).status == "cancelled"
     assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["running"]
 
 
-@pytest.mark.parametrize("statement", ["CANCEL", "CANCEL_BATCH"])
+@pytest.mark.parametrize(
+    "statement", ["ABANDON_RECORDS_OF_CANCELLED_TASK", "ABANDON_RECORDS_OF_CANCELLED_BATCH"]
+)
 def test_a_cancel_reads_running_records_by_index_whatever_the_tables_size(
     queue: LeaseQueue, dsn: str, statement: str
 ) -> None:
-    # As the sweep's (below): a cancel's plan is kept for the session, perhaps made while
+    # As the sweep's (above): a cancel's plans are kept for the session, perhaps made while
     # the attempts table was nearly empty.
     for key in ("a", "b", "c", "d", "e"):
         with queue.attempt(key):
