@@ -212,9 +212,11 @@ def cancel_batch(driver: QueueDriver, batch_id: int, notify_channel: str) -> int
     with driver.connection() as conn, conn.transaction():
         params = {"batch_id": batch_id, "channel": notify_channel}
         row = conn.execute(driver.statement(sql.CANCEL_BATCH), params).fetchone()
-        cancelled = int(row[0]) if row else 0
+        task_ids: list[int] = row[0] if row else []
+        cancelled = len(task_ids)
         if cancelled:
-            conn.execute(driver.statement(sql.ABANDON_RECORDS_OF_CANCELLED_BATCH), params)
+            abandon = driver.statement(sql.ABANDON_RECORDS_OF_CANCELLED_TASKS)
+            conn.execute(abandon, {"task_ids": task_ids})
             conn.execute(sql.NOTIFY, {"channel": notify_channel, "payload": f"batch:{batch_id}"})
         else:  # nothing to cancel: a finished batch, or none of that id
             require_batch(conn, driver, batch_id)

@@ -798,8 +798,8 @@ class LeaseQueue:
         params = {"task_id": task_id}
         with self._driver.connection() as conn, conn.transaction():
             if conn.execute(self._driver.statement(sql.CANCEL), params).fetchone():
-                abandon = sql.ABANDON_RECORDS_OF_CANCELLED_TASK
-                conn.execute(self._driver.statement(abandon), params)
+                abandon = self._driver.statement(sql.ABANDON_RECORDS_OF_CANCELLED_TASKS)
+                conn.execute(abandon, {"task_ids": [task_id]})
                 return True
             if conn.execute(self._driver.statement(sql.TASK_EXISTS), params).fetchone():
                 return False

@@ -789,15 +789,16 @@ CANCEL = """
 """
 # A cancelled task never runs again: the running records of its work are marked abandoned
 # (_MARK_RUNNING_RECORDS_ABANDONED), whether its lease was held or it waited, enqueued,
-# after one expired. In a statement after the cancel's, in its transaction: a cancel that
-# waited for the task's row while a claim held it (conclude_claim_and_begin(), which
-# begins the claimed task's attempt) would not see, in its own snapshot, the start record
-# committed with that claim.
-ABANDON_RECORDS_OF_CANCELLED_TASK = _MARK_RUNNING_RECORDS_ABANDONED.format(
-    tasks="{schema}.tasks", which="r.id = %(task_id)s AND r.status = 'cancelled' AND "
-)
-ABANDON_RECORDS_OF_CANCELLED_BATCH = _MARK_RUNNING_RECORDS_ABANDONED.format(
-    tasks="{schema}.tasks", which="r.batch_id = %(batch_id)s AND r.status = 'cancelled' AND "
+# after one expired; those of the tasks this cancel ended, named by id: a key whose task was
+# cancelled before may belong to a live task by now. In a statement after the cancel's, in
+# its transaction: a cancel that waited for a task's row while a claim held it
+# (conclude_claim_and_begin(), which begins the claimed task's attempt) would not see, in
+# its own snapshot, the start record committed with that claim. (In READ COMMITTED; at a
+# higher level the cancel that meets the claim fails with a serialization error instead,
+# nothing written, and can be made again.)
+ABANDON_RECORDS_OF_CANCELLED_TASKS = _MARK_RUNNING_RECORDS_ABANDONED.format(
+    tasks="{schema}.tasks",
+    which="r.id = ANY (%(task_ids)s::bigint[]) AND r.status = 'cancelled' AND ",
 )
 
 TASK_EXISTS = "SELECT 1 FROM {schema}.tasks WHERE id = %(task_id)s"
@@ -914,7 +915,7 @@ CANCEL_BATCH = (
     + _COUNT_KEYS_IN_BULK.format(changed="was_running", tasks="-count(*)")
     + _NOTIFY_KEYS_FREED
     + """
-    SELECT count(*) FROM cancelled CROSS JOIN keys_freed
+    SELECT coalesce(array_agg(cancelled.id), '{{}}') FROM cancelled CROSS JOIN keys_freed
 """
 )
 

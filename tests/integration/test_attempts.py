@@ -885,26 +885,49 @@ def test_a_batch_cancel_marks_the_running_records_of_its_tasks_abandoned(
     assert [a.outcome for a in queue.attempts("other-work")] == ["running"]
 
 
-def test_a_cancel_marks_the_record_a_claim_it_waited_for_began(queue: LeaseQueue, dsn: str) -> None:
+@pytest.mark.parametrize("cancel", ["task", "batch"])
+def test_a_cancel_marks_the_record_a_claim_it_waited_for_began(
+    queue: LeaseQueue, dsn: str, cancel: str
+) -> None:
     # A conclusion that claims the next task begins its attempt in the same commit. A
     # cancel of that task made meanwhile waits for its row, then cancels it once the claim
     # commits: the start record committed with the claim, which the cancel's first snapshot
     # did not hold, is marked too.
-    first = queue.enqueue({"n": 1})
-    second = queue.enqueue({"n": 2})
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}])
     lease = queue.claim()
-    assert lease is not None and lease.task_id == first
+    assert lease is not None
     with psycopg.connect(dsn) as claimer:
-        ((claimed, begun),) = claimer.execute(
+        ((second, begun),) = claimer.execute(
             f'SELECT id, attempt_id FROM "{queue.schema}".conclude_claim_and_begin('
             "NULL, %s, %s, NULL, 'default', 'claimer', NULL, 60)",
-            (first, lease.token),
+            (lease.task_id, lease.token),
         ).fetchall()
-        assert claimed == second and begun is not None
-        finish = start_blocked(dsn, queue.schema, lambda: queue.cancel(second))
+        assert second != lease.task_id and begun is not None
+        if cancel == "task":
+            finish = start_blocked(dsn, queue.schema, lambda: int(queue.cancel(second)))
+        else:
+            finish = start_blocked(dsn, queue.schema, lambda: queue.cancel_batch(batch.id))
         claimer.commit()
-        assert finish() is True
+        assert finish() == 1
+    assert queue.get(second).status == "cancelled"
     assert [(a.id, a.outcome) for a in queue.attempts(task_id=second)] == [(begun, "abandoned")]
+
+
+def test_a_batch_cancel_leaves_the_records_of_a_live_task_that_took_a_cancelled_key(
+    queue: LeaseQueue,
+) -> None:
+    # A key is free again once its task is finished: a task outside the batch took the key
+    # of a batch task cancelled before. Cancelling the rest of the batch marks the records
+    # of the tasks it cancels, not that live task's.
+    batch = queue.enqueue_batch([{"n": 1}, {"n": 2}], idempotency_keys=["k1", "k2"])
+    (cancelled_before, _) = [task.task_id for task in queue.list_tasks()]
+    assert queue.cancel(cancelled_before)
+    queue.enqueue({"n": 3}, idempotency_key="k1")
+    claimed = [queue.claim(), queue.claim()]
+    (live,) = [lease for lease in claimed if lease is not None and lease.idempotency_key == "k1"]
+    _begun_by_a_worker_that_dies(queue, live)
+    assert queue.cancel_batch(batch.id) == 1
+    assert [a.outcome for a in queue.attempts(task_id=live.task_id)] == ["running"]
 
 
 def test_a_cancel_marks_the_record_left_before_its_task_was_enqueued_again(
@@ -970,18 +993,16 @@ def test_a_cancel_does_not_wait_for_a_record_a_concluding_holder_holds(
     assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["running"]
 
 
-@pytest.mark.parametrize(
-    "statement", ["ABANDON_RECORDS_OF_CANCELLED_TASK", "ABANDON_RECORDS_OF_CANCELLED_BATCH"]
-)
 def test_a_cancel_reads_running_records_by_index_whatever_the_tables_size(
-    queue: LeaseQueue, dsn: str, statement: str
+    queue: LeaseQueue, dsn: str
 ) -> None:
-    # As the sweep's (above): a cancel's plans are kept for the session, perhaps made while
+    # As the sweep's (above): a cancel's plan is kept for the session, perhaps made while
     # the attempts table was nearly empty.
     for key in ("a", "b", "c", "d", "e"):
         with queue.attempt(key):
             pass
-    assert "attempts_identity_idx" in _generic_plan(dsn, queue, getattr(sql, statement))
+    plan = _generic_plan(dsn, queue, sql.ABANDON_RECORDS_OF_CANCELLED_TASKS)
+    assert "attempts_identity_idx" in plan
 
 
 def _generic_plan(dsn: str, queue: LeaseQueue, template: str) -> str:
