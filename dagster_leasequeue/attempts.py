@@ -167,18 +167,7 @@ def run_attempt(
         try:
             row = _begun(cached, target, lease, worker_id)
             if row is None:
-                with driver.errors:
-                    (row,) = cached.rows(
-                        driver.statement(sql.BEGIN_ATTEMPT),
-                        {
-                            "identity": target.identity,
-                            "legacy_identity": target.legacy_identity,
-                            "queue": target.queue,
-                            "key": target.key,
-                            "task_id": target.task_id,
-                            "worker_id": worker_id,
-                        },
-                    )
+                row = _begin(cached, driver, target, lease, worker_id)
             attempt = Attempt(
                 target=target,
                 attempt_id=row[0],
@@ -217,6 +206,34 @@ def _begun(
         lease._discard_attempt_record(cached, row)
         return None
     return row
+
+
+def _begin(
+    cached: CachedConnection,
+    driver: QueueDriver,
+    target: AttemptTarget,
+    lease: Lease | None,
+    worker_id: str,
+) -> Row:
+    """The attempt's start record, made apart; on a lease, only while the lease holds its
+    task (sql.BEGIN_ATTEMPT_UNDER_LEASE), else LeaseLost and nothing written."""
+    params: dict[str, Any] = {
+        "identity": target.identity,
+        "legacy_identity": target.legacy_identity,
+        "queue": target.queue,
+        "key": target.key,
+        "task_id": target.task_id,
+        "worker_id": worker_id,
+    }
+    statement = sql.BEGIN_ATTEMPT
+    if lease is not None:
+        statement = sql.BEGIN_ATTEMPT_UNDER_LEASE
+        params["token"] = lease.token
+    with driver.errors:
+        rows = cached.rows(driver.statement(statement), params)
+        if not rows and lease is not None:
+            lease._raise_lost_on(cached, "begin an attempt on")
+    return rows[0]
 
 
 # Where the row of a claim made with an attempt's conclusion has the start record it made

@@ -881,6 +881,10 @@ class LeaseQueue:
         its own: the same key is the same work whatever the queue or task, and no task's
         idempotency key is ever taken for it.
 
+        With a lease, the attempt raises LeaseLost as it starts when the lease no longer
+        holds its task (cancelled, or recovered, since its last renewal), unless its start
+        record was made with its claim; the conclusion's fence then does.
+
         Example:
             .. code-block:: python
 

@@ -987,6 +987,18 @@ BEGIN_ATTEMPT = """
     FROM {schema}.begin_attempt(%(identity)s, %(legacy_identity)s, %(queue)s, %(key)s,
                                 %(task_id)s, %(worker_id)s) AS b
 """
+# An attempt on a lease, begun apart: only while the lease holds its task. A worker whose
+# task was cancelled or recovered since its last renewal gets no row back (LeaseLost,
+# nothing written) instead of starting its work on a task it no longer holds. The row is
+# read, not locked: a lock held through the start would make a zombie's fenced ack, which
+# holds its own record, wait for this start, itself waiting to mark that record abandoned.
+BEGIN_ATTEMPT_UNDER_LEASE = """
+    SELECT b.*, set_config('synchronous_commit', 'off', true)
+    FROM {schema}.tasks AS t
+    CROSS JOIN LATERAL {schema}.begin_attempt(%(identity)s, %(legacy_identity)s, %(queue)s,
+                                              %(key)s, t.id, %(worker_id)s) AS b
+    WHERE t.id = %(task_id)s AND t.lease_token = %(token)s AND t.status = 'processing'
+"""
 
 # Sent with the BEGIN of an attempt's transaction (see QueueConnection): the session ends
 # if left idle inside that transaction this long. SET LOCAL, so it ends with the

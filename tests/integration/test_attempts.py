@@ -225,6 +225,31 @@ def test_a_stale_lease_cannot_start_an_attempt_after_its_renewal_failed(queue: L
             pytest.fail("the attempt should not start")
 
 
+@pytest.mark.parametrize("lost", ["cancelled", "claimed_again"])
+def test_an_attempt_on_a_lease_lost_since_its_last_renewal_is_refused_before_its_work(
+    queue: LeaseQueue, lost: str
+) -> None:
+    # The lease does not know yet (no renewal has come back since): the start finds that
+    # the lease no longer holds its task, and the work never runs.
+    task_id = queue.enqueue({"n": 1})
+    stale = queue.claim()
+    assert stale is not None
+    if lost == "cancelled":
+        assert queue.cancel(task_id)
+        reason = r"recovered or cancelled \(now cancelled\)"
+    else:
+        expire(queue, task_id)
+        queue.sweep()
+        assert queue.claim() is not None
+        reason = r"claimed again under token"
+    with (
+        pytest.raises(LeaseLost, match=rf"cannot begin an attempt on task {task_id} .*{reason}"),
+        queue.attempt(lease=stale),
+    ):
+        pytest.fail("the work ran on a lost lease")
+    assert queue.attempts(task_id=task_id) == []
+
+
 def test_an_abandoned_attempt_is_marked_and_retried(queue: LeaseQueue) -> None:
     run_sql(
         queue,
