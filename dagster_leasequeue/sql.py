@@ -987,11 +987,15 @@ BEGIN_ATTEMPT = """
     FROM {schema}.begin_attempt(%(identity)s, %(legacy_identity)s, %(queue)s, %(key)s,
                                 %(task_id)s, %(worker_id)s) AS b
 """
-# An attempt on a lease, begun apart: only while the lease holds its task. A worker whose
-# task was cancelled or recovered since its last renewal gets no row back (LeaseLost,
-# nothing written) instead of starting its work on a task it no longer holds. The row is
-# read, not locked: a lock held through the start would make a zombie's fenced ack, which
-# holds its own record, wait for this start, itself waiting to mark that record abandoned.
+# An attempt on a lease, begun apart: only while the lease holds its task (as of the
+# statement's start). A worker whose task was cancelled or recovered since its last
+# renewal gets no row back (LeaseLost, nothing written) instead of starting its work on a
+# task it no longer holds. begin_attempt() takes the task's id from the row read (t.id, not
+# the parameter): that reference is what makes the task's row come first, and the
+# function run only for it. The row is read, not locked: the start may wait to mark a
+# record another session holds (a paused zombie's, in its aborted conclusion, until the
+# server ends that session), and its worker's renewals would wait behind a lock held
+# meanwhile on their task's row.
 BEGIN_ATTEMPT_UNDER_LEASE = """
     SELECT b.*, set_config('synchronous_commit', 'off', true)
     FROM {schema}.tasks AS t
