@@ -982,11 +982,16 @@ DEAD_WITH_KEY_TAKEN = (
 # only lose a record of attempts that are over, since the crash ended them too. Every
 # commit that matters (the success, the ack) is synchronous and, being later in the WAL,
 # makes this record durable with it.
-BEGIN_ATTEMPT = """
+# begin_attempt()'s call, ``{task_id}`` where its task's id comes from.
+_BEGIN_ATTEMPT_CALL = """{{schema}}.begin_attempt(%(identity)s, %(legacy_identity)s, %(queue)s,
+                                %(key)s, {task_id}, %(worker_id)s) AS b"""
+BEGIN_ATTEMPT = (
+    """
     SELECT b.*, set_config('synchronous_commit', 'off', true)
-    FROM {schema}.begin_attempt(%(identity)s, %(legacy_identity)s, %(queue)s, %(key)s,
-                                %(task_id)s, %(worker_id)s) AS b
-"""
+    FROM """
+    + _BEGIN_ATTEMPT_CALL.format(task_id="%(task_id)s")
+    + "\n"
+)
 # An attempt on a lease, begun apart: only while the lease holds its task (as of the
 # statement's start). A worker whose task was cancelled or recovered since its last
 # renewal gets no row back (LeaseLost, nothing written) instead of starting its work on a
@@ -996,13 +1001,16 @@ BEGIN_ATTEMPT = """
 # record another session holds (a paused zombie's, in its aborted conclusion, until the
 # server ends that session), and its worker's renewals would wait behind a lock held
 # meanwhile on their task's row.
-BEGIN_ATTEMPT_UNDER_LEASE = """
+BEGIN_ATTEMPT_UNDER_LEASE = (
+    """
     SELECT b.*, set_config('synchronous_commit', 'off', true)
     FROM {schema}.tasks AS t
-    CROSS JOIN LATERAL {schema}.begin_attempt(%(identity)s, %(legacy_identity)s, %(queue)s,
-                                              %(key)s, t.id, %(worker_id)s) AS b
+    CROSS JOIN LATERAL """
+    + _BEGIN_ATTEMPT_CALL.format(task_id="t.id")
+    + """
     WHERE t.id = %(task_id)s AND t.lease_token = %(token)s AND t.status = 'processing'
 """
+)
 
 # Sent with the BEGIN of an attempt's transaction (see QueueConnection): the session ends
 # if left idle inside that transaction this long. SET LOCAL, so it ends with the

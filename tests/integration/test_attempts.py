@@ -965,10 +965,7 @@ def test_a_cancel_marks_the_record_left_before_its_task_was_enqueued_again(
 ) -> None:
     # The worker died, the sweep enqueued the task again (its attempts not used up) and left
     # the record to the next attempt; the task is cancelled before one comes.
-    queue.enqueue({"n": 1})
-    lease = queue.claim()
-    assert lease is not None
-    _begun_by_a_worker_that_dies(queue, lease)
+    lease = _held_with_a_running_record(queue, "apart")
     expire(queue, lease.task_id)
     assert [event.action for event in queue.sweep()] == ["requeued"]
     assert queue.cancel(lease.task_id)
