@@ -43,6 +43,21 @@ SEED_CLAIM_MANY = """
     RETURNING t.id
 """
 SEED_ACK_ONE = "UPDATE tasks SET status = 'done' WHERE id = %s"
+# The seed's ack and its next claim as one UPDATE of both rows, each row's new values chosen
+# by whether it is the acked one: the one-round-trip, one-commit loop without any of the
+# package's guarantees (no fence, no token, no attempt count), on the seed's table. Not a
+# path users take: it is what any loop of one statement a task can reach on the machine.
+SEED_ACK_AND_CLAIM_ONE = """
+    WITH picked AS (
+        SELECT id FROM tasks WHERE status = 'enqueued' AND queue = 'default'
+        ORDER BY priority DESC, run_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
+    )
+    UPDATE tasks SET status = CASE WHEN id = %(acked)s THEN 'done' ELSE 'processing' END,
+                     lease_expires_at = CASE WHEN id = %(acked)s THEN lease_expires_at
+                                        ELSE clock_timestamp() + interval '300 s' END
+    WHERE id = ANY (ARRAY[%(acked)s::bigint, (SELECT id FROM picked)])
+    RETURNING id
+"""
 SEED_ACK_MANY = "UPDATE tasks SET status = 'done' WHERE id = ANY(%s)"
 
 
@@ -91,6 +106,31 @@ class SeedSqlDrainer(BareDrainer):
             self._conn.execute(SEED_ACK_ONE, (claimed[0],))
         else:
             self._conn.execute(SEED_ACK_MANY, (list(claimed),))
+
+
+class ChainedClaims:
+    """Mixed into a drainer whose ``finish()`` claims the next tasks: ``claim()`` hands
+    those out, and claims anew only when there are none."""
+
+    def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
+        super().__init__(dsn, schema, batch, prepared)  # type: ignore[call-arg]
+        self._next: list[Any] = []
+
+    def claim(self) -> list[Any]:
+        if self._next:
+            claimed, self._next = self._next, []
+            return claimed
+        return super().claim()  # type: ignore[misc,no-any-return]
+
+
+class SeedChainDrainer(ChainedClaims, SeedSqlDrainer):
+    """The seed's SQL with each ack claiming the next task in the same statement
+    (SEED_ACK_AND_CLAIM_ONE); the first task is claimed alone."""
+
+    def finish(self, claimed: Sequence[int]) -> None:
+        (acked,) = claimed
+        rows = self._conn.execute(SEED_ACK_AND_CLAIM_ONE, {"acked": acked}).fetchall()
+        self._next = [int(row[0]) for row in rows if row[0] != acked]
 
 
 class PackageSqlDrainer(BareDrainer):
@@ -166,19 +206,9 @@ class BatchedPackageDrainer(PackageDrainer):
         self.queue.ack_many(claimed)
 
 
-class ChainedPackageDrainer(PackageDrainer):
+class ChainedPackageDrainer(ChainedClaims, PackageDrainer):
     """The worker loop of ``run_worker``: each ack claims the next task in the same
     statement (``lease.ack_and_claim()``, or ``ack_many_and_claim`` for a batch)."""
-
-    def __init__(self, dsn: str, schema: str, batch: int, prepared: bool) -> None:
-        super().__init__(dsn, schema, batch, prepared)
-        self._next: list[Lease] = []
-
-    def claim(self) -> list[Lease]:
-        if self._next:
-            claimed, self._next = self._next, []
-            return claimed
-        return super().claim()
 
     def finish(self, claimed: Sequence[Lease]) -> None:
         if self.batch > 1:
@@ -301,6 +331,15 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy(
             "raw_batch_lean", "raw_batch, seed-shaped table", None, 0, SeedSqlDrainer, lean=True
         ),
+        Strategy(
+            "raw_chain_lean",
+            "seed SQL, ack and next claim in one statement",
+            "raw_one_lean",
+            1,
+            SeedChainDrainer,
+            analysis=True,
+            lean=True,
+        ),
         Strategy("lq_chain", "lease.ack_and_claim()", "raw_one_lean", 1, ChainedPackageDrainer),
         Strategy(
             "lq_chain_batch",
@@ -345,6 +384,7 @@ DRAIN_ORDER = (
     "raw_batch",
     "raw_one_lean",
     "raw_batch_lean",
+    "raw_chain_lean",
     "sql_one",
     "sql_batch",
     "lq_one",

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from benchmarks.server_instructions import plans_differ
+from benchmarks.server_instructions import LARGE, SMALL, plans_differ
 
 
 def test_a_small_drain_planned_otherwise_is_told_apart() -> None:
-    # Counts of lq_chain drains of 300 and 1,300 tasks: the first pair's 300-task drain
-    # scanned the whole table in each statement; the second's used the primary key.
-    assert plans_differ(337_310_806, 716_669_391)
-    assert not plans_differ(180_273_311, 719_619_029)
-    assert not plans_differ(214_151_665, 869_508_882)
+    # Instructions per task of raw_one_lean's drains of 300 and 1,300 tasks.
+    assert plans_differ(678_308 * SMALL, 324_605 * LARGE)
+    # lq_chain's drains, both through the indexes.
+    assert not plans_differ(535_675 * SMALL, 530_291 * LARGE)
+    assert not plans_differ(479_410 * SMALL, 434_719 * LARGE)
+
+
+def test_the_drains_are_past_the_sizes_whose_counts_differed() -> None:
+    # Counted drains of raw_one_lean: 300 tasks ran 678,306 instructions per task, 700
+    # tasks 327,202 and 1,300 tasks 324,647.
+    assert SMALL >= 700
+    assert LARGE >= 2 * SMALL
