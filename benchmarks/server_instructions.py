@@ -9,8 +9,7 @@ the drain's backends (told apart by their application_name): the difference, div
 the difference in tasks, leaves out connecting, preparing and filling. Only backends are
 counted, user space only: not the WAL writer, not the kernel's part of a commit. The
 server runs with ``fsync=off`` and without autovacuum, which change neither count. It
-takes about a minute to start and half a minute to a minute per strategy, and needs
-valgrind.
+takes one to two minutes for the default strategies, and needs valgrind.
 
 Use it to weigh a change in what the server does per task: two versions of a statement,
 a trigger or a constraint, each counted here in the same session (``--source``-style
@@ -169,10 +168,11 @@ def _backend_total(counts: Path, pid: int) -> int:
     raise RuntimeError(f"callgrind wrote no count for backend {pid}")
 
 
-# The smaller drain's average per task this much above the larger one's: their plans
-# differ. PostgreSQL plans a statement on a table of a few hundred rows as a scan of the
-# whole table, and on more through an index, and the difference of two such drains is no
-# cost per task (a sequential scan in the 300-task drain once read as 43% fewer).
+# The smaller drain's average per task this much above the larger one's: the two did not
+# run alike, and their difference is no cost per task. Their plans may differ (PostgreSQL
+# may plan a statement on a table of a few hundred rows as a scan of the whole table: one
+# such 300-task drain once read as 43% fewer), or the smaller drain carried a cost of its
+# own (see SMALL, LARGE).
 _PLANS_DIFFER = 1.3
 
 
@@ -187,8 +187,8 @@ def per_task(dsn: str, counts: Path, strategy: str, *, in_batch: bool = False) -
     small = drain_instructions(dsn, counts, strategy, SMALL, in_batch=in_batch)
     if plans_differ(small, large):
         print(
-            f"warning: {strategy}'s {SMALL}-task drain ran {small / SMALL:,.0f} instructions "
-            f"per task, its {LARGE:,}-task drain {large / LARGE:,.0f}: their plans differ, "
+            f"warning: {strategy}'s {SMALL:,}-task drain ran {small / SMALL:,.0f} instructions "
+            f"per task, its {LARGE:,}-task drain {large / LARGE:,.0f}: they did not run alike, "
             f"and the difference per task below is not a cost per task; compare the "
             f"drains' totals ({small:,} and {large:,})"
         )
