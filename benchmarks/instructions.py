@@ -105,7 +105,7 @@ def print_counts(title: str, counts: Mapping[str, float]) -> None:
     rows = []
     for name, count in counts.items():
         baseline = STRATEGIES[name].baseline
-        ratio = round(count / counts[baseline], 2) if baseline in counts else "-"
+        ratio = round(count / counts[baseline], 2) if baseline and baseline in counts else "-"
         rows.append((name, STRATEGIES[name].label, round(count), baseline or "-", ratio))
     headers = ("strategy", "how", "instructions/task", "baseline", "x baseline")
     print(table(title, headers, rows))
