@@ -25,14 +25,15 @@ def _between(text: str, start: str, end: str) -> str:
 def test_every_fenced_statement_has_the_fence_whole() -> None:
     for statement in (sql.ACK, sql.FAIL, sql.RELEASE, sql.RENEW):
         assert f"WHERE {sql.FENCE}" in _flat(statement)
-    # The same condition, per row of many leases, and in the attempt's conclusion.
-    per_row = (
+    # The same condition on the task's row named t: in the start of an attempt on a lease,
+    # per row of many leases, and in the attempt's conclusion.
+    on_t = (
         sql.FENCE.replace("id =", "t.id =")
         .replace("lease_token =", "t.lease_token =")
         .replace("AND status", "AND t.status")
-        .replace("%(task_id)s", "a.task_id")
-        .replace("%(token)s", "a.token")
     )
+    assert f"WHERE {on_t}" in _flat(sql.BEGIN_ATTEMPT_UNDER_LEASE)
+    per_row = on_t.replace("%(task_id)s", "a.task_id").replace("%(token)s", "a.token")
     assert f"WHERE {per_row}" in _flat(sql.ACK_MANY)
     # The keyless ack and claim moves two rows: the claimed one, and the acked one under
     # the fence.
