@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import TypeVar
 
 import psycopg
 import pytest
@@ -27,6 +28,8 @@ from dagster_leasequeue.attempts import attempt_target
 
 from ..helpers import expire, run_sql, start_blocked
 from ..relay import CommitCutter
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -787,6 +790,38 @@ def _begun_by_a_worker_that_dies(queue: LeaseQueue, lease: Lease) -> int:
     return int(rows[0][0])
 
 
+def _while_a_conclusion_holds(
+    dsn: str,
+    queue: LeaseQueue,
+    lease: Lease,
+    record: int,
+    action: Callable[[], T],
+    what: str,
+) -> T:
+    """``action``'s result, run while another session concludes ``lease``'s attempt: it has
+    marked ``record`` (not yet committed) and comes to the task's row next. ``action`` must
+    not wait for the record; the holder's fenced ack then fails, the lease ended."""
+    results: list[T] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute(
+            f'UPDATE "{queue.schema}".attempts SET outcome = %s WHERE id = %s',
+            ("succeeded", record),
+        )
+        runner = threading.Thread(target=lambda: results.append(action()))
+        runner.start()
+        runner.join(timeout=10)
+        assert not runner.is_alive(), f"{what} waited for the concluding holder's record"
+        acked = holder.execute(
+            f'UPDATE "{queue.schema}".tasks SET status = %s'
+            " WHERE id = %s AND lease_token = %s AND status = 'processing'",
+            ("done", lease.task_id, lease.token),
+        ).rowcount
+        assert acked == 0
+        holder.rollback()
+    (result,) = results
+    return result
+
+
 def _running_record_of_other_work(queue: LeaseQueue) -> None:
     """A running record of a key of the caller's: other work, which neither the sweep nor
     a cancel of a task touches."""
@@ -842,24 +877,8 @@ def test_the_sweep_does_not_wait_for_a_record_a_concluding_zombie_holds(
     assert lease is not None
     record = _begun_by_a_worker_that_dies(queue, lease)
     expire(queue, lease.task_id)
-    swept: list[object] = []
-    with psycopg.connect(dsn) as zombie:
-        zombie.execute(
-            f'UPDATE "{queue.schema}".attempts SET outcome = %s WHERE id = %s',
-            ("succeeded", record),
-        )
-        sweeper = threading.Thread(target=lambda: swept.extend(queue.sweep()))
-        sweeper.start()
-        sweeper.join(timeout=10)
-        assert not sweeper.is_alive(), "the sweep waited for the zombie's record"
-        acked = zombie.execute(
-            f'UPDATE "{queue.schema}".tasks SET status = %s'
-            " WHERE id = %s AND lease_token = %s AND status = 'processing'",
-            ("done", lease.task_id, lease.token),
-        ).rowcount
-        assert acked == 0
-        zombie.rollback()
-    assert [event.action for event in swept] == ["dead"]  # type: ignore[attr-defined]
+    swept = _while_a_conclusion_holds(dsn, queue, lease, record, queue.sweep, "the sweep")
+    assert [event.action for event in swept] == ["dead"]
     assert queue.get(lease.task_id).status == "dead"
 
 
@@ -998,24 +1017,11 @@ def test_a_cancel_does_not_wait_for_a_record_a_concluding_holder_holds(
     lease = queue.claim()
     assert lease is not None
     record = _begun_by_a_worker_that_dies(queue, lease)
-    with psycopg.connect(dsn) as holder:
-        holder.execute(
-            f'UPDATE "{queue.schema}".attempts SET outcome = %s WHERE id = %s',
-            ("succeeded", record),
-        )
-        cancelled: list[bool] = []
-        canceller = threading.Thread(target=lambda: cancelled.append(queue.cancel(lease.task_id)))
-        canceller.start()
-        canceller.join(timeout=10)
-        assert not canceller.is_alive(), "the cancel waited for the holder's record"
-        acked = holder.execute(
-            f'UPDATE "{queue.schema}".tasks SET status = %s'
-            " WHERE id = %s AND lease_token = %s AND status = 'processing'",
-            ("done", lease.task_id, lease.token),
-        ).rowcount
-        assert acked == 0
-        holder.rollback()
-    assert cancelled == [True]
+
+    def cancel() -> bool:
+        return queue.cancel(lease.task_id)
+
+    assert _while_a_conclusion_holds(dsn, queue, lease, record, cancel, "the cancel") is True
     assert queue.get(lease.task_id).status == "cancelled"
     assert [a.outcome for a in queue.attempts(task_id=lease.task_id)] == ["running"]
 
